@@ -1,0 +1,41 @@
+# Megatrace: `make test` and `make demo` install what they need on a fresh Debian machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter
+DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter
+PYTEST_ARGS ?=
+
+.PHONY: test lint deps debs venv clean
+
+test: deps lint
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+deps: debs $(VENV)/.installed
+
+# Install the Debian packages only when one of their commands is missing.
+debs:
+	@missing=0; for c in $(DEB_COMMANDS); do command -v $$c >/dev/null || missing=1; done; \
+	if [ $$missing = 1 ]; then \
+	  echo "installing Debian packages: $(DEB_PACKAGES)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES); \
+	fi
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# Reinstall only when the project's dependency list changes.
+$(VENV)/.installed: pyproject.toml $(VENV)/bin/python
+	$(BIN)/pip install -q -e '.[dev,torch]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -1,0 +1,1 @@
+"""Alert bot: Alertmanager webhook to Feishu groups, sheet, phone, drill-down and weekly report."""

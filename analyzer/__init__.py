@@ -1,0 +1,1 @@
+"""Trace-log analyzer: loads every supported format into one table and localizes hung and slow ranks."""

@@ -1,0 +1,1 @@
+"""Node agent: one /metrics endpoint with GPU (NVML), InfiniBand/RoCE (sysfs) and tracer collectors."""
