@@ -1,0 +1,432 @@
+"""The tracer's per-rank ring file: binary layout, the writer used inside a rank, and `read_ring`.
+
+One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 4 KiB header (identity and
+live counters), a communicator table, then a ring of fixed-size records. Format version 1 is described
+in ``docs/tracer-format.md``. This module imports no torch: the exporter and the analyzer read files
+with it while ranks write them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import mmap
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MAGIC = b"MEGATRC\x00"
+HEADER_SIZE = 4096
+RECORD_SIZE = 72
+MAX_OPS = 32
+DEFAULT_CAPACITY = 131072
+DEFAULT_COMM_TABLE_BYTES = 1 << 20
+
+# Header: 8-byte little-endian words at these word indices.
+W_MAGIC = 0
+W_VERSION = 1
+W_HEADER_SIZE = 2
+W_RECORD_SIZE = 3
+W_CAPACITY = 4
+W_COMM_TABLE_OFFSET = 5
+W_COMM_TABLE_SIZE = 6
+W_RECORDS_OFFSET = 7
+W_RANK = 8
+W_LOCAL_RANK = 9
+W_WORLD_SIZE = 10
+W_PID = 11
+W_START_TIME_NS = 12
+W_WRITE_COUNT = 13
+W_WAIT_NS_TOTAL = 14
+W_LAST_ENQUEUE_NS = 15
+W_LAST_COMPLETE_NS = 16
+W_OLDEST_INFLIGHT_ENQUEUE_NS = 17
+W_OLDEST_INFLIGHT_OP = 18
+W_STEP_COUNT = 19
+W_LAST_STEP_NS = 20
+W_LAST_STEP_END_NS = 21
+W_FINISHED = 22
+W_COMM_COUNT = 23
+W_COMM_TABLE_USED = 24
+W_DUMPS_WRITTEN = 25
+W_CALLS_BY_OP = 32
+W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
+JOB_OFFSET = 768
+HOST_OFFSET = 1024
+TEXT_FIELD_BYTES = 256
+
+# Record (72 bytes): `serial` is the commit word, written last (0 while the slot is being written).
+RECORD_DTYPE = np.dtype(
+    {
+        "names": [
+            "serial", "comm_id", "seq", "nbytes", "enqueue_ns", "complete_ns", "step",
+            "rank", "peer", "op", "dtype", "flags",
+        ],
+        "formats": ["<u8", "<u8", "<i8", "<u8", "<i8", "<i8", "<i8", "<i4", "<i4", "u1", "u1", "u1"],
+        "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 65, 66],
+        "itemsize": RECORD_SIZE,
+    }
+)  # fmt: skip
+RECORD_WORDS = RECORD_SIZE // 8
+# Word/int32/byte positions of fields inside one record, for the writer's memoryviews.
+R_SERIAL, R_COMM_ID, R_SEQ, R_NBYTES, R_ENQUEUE_NS, R_COMPLETE_NS, R_STEP = range(7)
+R_RANK_I32, R_PEER_I32 = 14, 15
+R_OP_BYTE, R_DTYPE_BYTE, R_FLAGS_BYTE = 64, 65, 66
+FLAG_ASYNC = 1
+
+OP_NAMES: dict[int, str] = {
+    1: "all_reduce",
+    2: "all_gather",
+    3: "reduce_scatter",
+    4: "broadcast",
+    5: "reduce",
+    6: "all_to_all",
+    7: "barrier",
+    8: "send",
+    9: "recv",
+    10: "gather",
+    11: "scatter",
+}
+OP_CODES: dict[str, int] = {name: code for code, name in OP_NAMES.items()}
+P2P_OPS = frozenset({OP_CODES["send"], OP_CODES["recv"]})
+
+DTYPE_NAMES: dict[int, str] = {
+    0: "none",
+    1: "float32",
+    2: "float16",
+    3: "bfloat16",
+    4: "float64",
+    5: "int8",
+    6: "uint8",
+    7: "int16",
+    8: "int32",
+    9: "int64",
+    10: "bool",
+    11: "float8_e4m3fn",
+    12: "float8_e5m2",
+    13: "complex64",
+    14: "complex128",
+    15: "other",
+}
+DTYPE_CODES: dict[str, int] = {name: code for code, name in DTYPE_NAMES.items()}
+
+
+class RingFormatError(ValueError):
+    """A file that is not a readable Megatrace ring file; the message says which and why."""
+
+
+@dataclasses.dataclass
+class RingHeader:
+    """Identity of the rank and its live counters, as found in the header at read time."""
+
+    version: int
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    start_time_ns: int
+    calls_by_op: dict[str, int]
+    bytes_by_op: dict[str, int]
+    wait_ns_total: int
+    last_enqueue_ns: int
+    last_complete_ns: int
+    oldest_inflight_enqueue_ns: int
+    oldest_inflight_op: str
+    step_count: int
+    last_step_ns: int
+    last_step_end_ns: int
+    finished: bool
+    capacity: int = 0
+    records_written: int = 0
+    dumps_written: int = 0
+
+
+@dataclasses.dataclass
+class RingSnapshot:
+    """One rank's trace: header, records (oldest first, dtype RECORD_DTYPE) and communicator members."""
+
+    header: RingHeader
+    records: np.ndarray
+    communicators: dict[int, tuple[int, ...]]
+    # When the snapshot was taken (read or dumped), CLOCK_REALTIME ns; why, for dumps.
+    taken_ns: int = 0
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankIdentity:
+    """Who writes a ring file."""
+
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    start_time_ns: int
+
+
+def comm_id(ranks: tuple[int, ...] | list[int]) -> int:
+    """Communicator id: a stable 63-bit hash of the sorted member global ranks (same on every member)."""
+    members = np.asarray(sorted(ranks), dtype="<i4").tobytes()
+    digest = hashlib.blake2b(members, digest_size=8, person=b"megatrace-comm").digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def ring_path(job_dir: Path, rank: int) -> Path:
+    """Where rank `rank`'s ring file lives inside a job's trace folder."""
+    return Path(job_dir) / f"rank-{rank}.trace"
+
+
+def _text_field(value: str) -> bytes:
+    raw = value.encode("utf-8")[: TEXT_FIELD_BYTES - 1]
+    return raw + b"\x00" * (TEXT_FIELD_BYTES - len(raw))
+
+
+def _round_up(value: int, unit: int) -> int:
+    return (value + unit - 1) // unit * unit
+
+
+class RingWriter:
+    """Creates a rank's ring file and writes records and counters into it in place.
+
+    All state lives in the mapped file; a record costs a fixed number of 8-byte stores and no
+    allocation. Only the rank's own threads write; readers in other processes use `read_ring`.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        identity: RankIdentity,
+        capacity: int = DEFAULT_CAPACITY,
+        comm_table_bytes: int = DEFAULT_COMM_TABLE_BYTES,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"ring capacity must be at least 1, got {capacity}")
+        self.path = Path(path)
+        self.capacity = capacity
+        self.comm_table_offset = HEADER_SIZE
+        self.comm_table_size = _round_up(max(comm_table_bytes, 4096), mmap.PAGESIZE)
+        self.records_offset = self.comm_table_offset + self.comm_table_size
+        size = self.records_offset + capacity * RECORD_SIZE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        finally:
+            os.close(fd)
+        self.header = memoryview(self._map)[:HEADER_SIZE].cast("q")
+        self.table = memoryview(self._map)[self.comm_table_offset : self.records_offset]
+        records = memoryview(self._map)[self.records_offset :]
+        self.rec_q = records.cast("q")
+        self.rec_i = records.cast("i")
+        self.rec_b = records
+        self._write_identity(identity)
+        os.replace(tmp, self.path)
+        self.serial = 0
+
+    def _write_identity(self, identity: RankIdentity) -> None:
+        h = self.header
+        h[W_VERSION] = FORMAT_VERSION
+        h[W_HEADER_SIZE] = HEADER_SIZE
+        h[W_RECORD_SIZE] = RECORD_SIZE
+        h[W_CAPACITY] = self.capacity
+        h[W_COMM_TABLE_OFFSET] = self.comm_table_offset
+        h[W_COMM_TABLE_SIZE] = self.comm_table_size
+        h[W_RECORDS_OFFSET] = self.records_offset
+        h[W_RANK] = identity.rank
+        h[W_LOCAL_RANK] = identity.local_rank
+        h[W_WORLD_SIZE] = identity.world_size
+        h[W_PID] = identity.pid
+        h[W_START_TIME_NS] = identity.start_time_ns
+        self._map[JOB_OFFSET : JOB_OFFSET + TEXT_FIELD_BYTES] = _text_field(identity.job)
+        self._map[HOST_OFFSET : HOST_OFFSET + TEXT_FIELD_BYTES] = _text_field(identity.host)
+        self._map[0:8] = MAGIC
+
+    def add_communicator(self, cid: int, ranks: tuple[int, ...]) -> bool:
+        """Append a communicator's member list to the table; False when the table is full."""
+        used = self.header[W_COMM_TABLE_USED]
+        entry = np.empty(2 + _round_up(len(ranks), 2) // 2, dtype="<i8")
+        entry[0] = cid
+        entry[1] = len(ranks)
+        members = entry[2:].view("<i4")
+        members[:] = 0
+        members[: len(ranks)] = ranks
+        raw = entry.tobytes()
+        if used + len(raw) > self.comm_table_size:
+            return False
+        self.table[used : used + len(raw)] = raw
+        self.header[W_COMM_COUNT] += 1
+        self.header[W_COMM_TABLE_USED] = used + len(raw)
+        return True
+
+    def append(
+        self, cid: int, seq: int, op: int, nbytes: int, dtype: int, peer: int, enqueue_ns: int, step: int,
+        flags: int, rank: int,
+    ) -> int:  # fmt: skip
+        """Write one record (not yet completed) and return its serial (1-based record number)."""
+        serial = self.serial + 1
+        self.serial = serial
+        slot = (serial - 1) % self.capacity
+        q = self.rec_q
+        w = slot * RECORD_WORDS
+        q[w] = 0
+        q[w + R_COMM_ID] = cid
+        q[w + R_SEQ] = seq
+        q[w + R_NBYTES] = nbytes
+        q[w + R_ENQUEUE_NS] = enqueue_ns
+        q[w + R_COMPLETE_NS] = 0
+        q[w + R_STEP] = step
+        i = slot * (RECORD_SIZE // 4)
+        self.rec_i[i + R_RANK_I32] = rank
+        self.rec_i[i + R_PEER_I32] = peer
+        b = slot * RECORD_SIZE
+        self.rec_b[b + R_OP_BYTE] = op
+        self.rec_b[b + R_DTYPE_BYTE] = dtype
+        self.rec_b[b + R_FLAGS_BYTE] = flags
+        q[w] = serial
+        h = self.header
+        h[W_WRITE_COUNT] = serial
+        h[W_CALLS_BY_OP + op] += 1
+        h[W_BYTES_BY_OP + op] += nbytes
+        h[W_LAST_ENQUEUE_NS] = enqueue_ns
+        return serial
+
+    def complete(self, serial: int, complete_ns: int) -> None:
+        """Stamp the completion time on record `serial` if the ring has not overwritten it yet."""
+        w = (serial - 1) % self.capacity * RECORD_WORDS
+        if self.rec_q[w] == serial:
+            self.rec_q[w + R_COMPLETE_NS] = complete_ns
+
+    def set_peer(self, serial: int, peer: int) -> None:
+        """Fill in the peer of record `serial` once known (a receive from any source)."""
+        slot = (serial - 1) % self.capacity
+        if self.rec_q[slot * RECORD_WORDS] == serial:
+            self.rec_i[slot * (RECORD_SIZE // 4) + R_PEER_I32] = peer
+
+    def close(self) -> None:
+        """Flush and unmap the file (the writer is unusable afterwards)."""
+        self._map.flush()
+        for view in (self.header, self.table, self.rec_q, self.rec_i, self.rec_b):
+            view.release()
+        self._map.close()
+
+
+def _decode_text(raw: bytes) -> str:
+    return raw.split(b"\x00", 1)[0].decode("utf-8", errors="replace")
+
+
+def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
+    def per_op(base: int) -> dict[str, int]:
+        return {name: int(words[base + code]) for code, name in OP_NAMES.items()}
+
+    return RingHeader(
+        version=int(words[W_VERSION]),
+        job=_decode_text(raw[JOB_OFFSET : JOB_OFFSET + TEXT_FIELD_BYTES]),
+        rank=int(words[W_RANK]),
+        local_rank=int(words[W_LOCAL_RANK]),
+        world_size=int(words[W_WORLD_SIZE]),
+        host=_decode_text(raw[HOST_OFFSET : HOST_OFFSET + TEXT_FIELD_BYTES]),
+        pid=int(words[W_PID]),
+        start_time_ns=int(words[W_START_TIME_NS]),
+        calls_by_op=per_op(W_CALLS_BY_OP),
+        bytes_by_op=per_op(W_BYTES_BY_OP),
+        wait_ns_total=int(words[W_WAIT_NS_TOTAL]),
+        last_enqueue_ns=int(words[W_LAST_ENQUEUE_NS]),
+        last_complete_ns=int(words[W_LAST_COMPLETE_NS]),
+        oldest_inflight_enqueue_ns=int(words[W_OLDEST_INFLIGHT_ENQUEUE_NS]),
+        oldest_inflight_op=OP_NAMES.get(int(words[W_OLDEST_INFLIGHT_OP]), ""),
+        step_count=int(words[W_STEP_COUNT]),
+        last_step_ns=int(words[W_LAST_STEP_NS]),
+        last_step_end_ns=int(words[W_LAST_STEP_END_NS]),
+        finished=bool(words[W_FINISHED]),
+        capacity=int(words[W_CAPACITY]),
+        records_written=int(words[W_WRITE_COUNT]),
+        dumps_written=int(words[W_DUMPS_WRITTEN]),
+    )
+
+
+def _check_header(path: Path, raw: bytes) -> np.ndarray:
+    if len(raw) < HEADER_SIZE:
+        raise RingFormatError(f"{path}: too short for a ring file header ({len(raw)} bytes)")
+    if raw[:8] != MAGIC:
+        raise RingFormatError(f"{path}: not a Megatrace ring file (bad magic)")
+    words = np.frombuffer(raw, dtype="<i8", count=HEADER_SIZE // 8)
+    if words[W_VERSION] != FORMAT_VERSION:
+        raise RingFormatError(f"{path}: ring format version {int(words[W_VERSION])} is not supported")
+    if words[W_RECORD_SIZE] != RECORD_SIZE or words[W_HEADER_SIZE] != HEADER_SIZE:
+        raise RingFormatError(f"{path}: unexpected header or record size")
+    return words
+
+
+def read_header(path: str | Path) -> RingHeader:
+    """Only the header of a ring file (cheap: one 4 KiB read), e.g. for the exporter's counters."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(HEADER_SIZE)
+    except OSError as exc:
+        raise RingFormatError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return _header_from(_check_header(path, raw), raw)
+
+
+def _parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
+    comms: dict[int, tuple[int, ...]] = {}
+    pos = 0
+    for _ in range(count):
+        if pos + 16 > len(table):
+            break
+        cid, n = np.frombuffer(table, dtype="<i8", count=2, offset=pos)
+        size = 16 + _round_up(int(n), 2) * 4
+        if n < 0 or pos + size > len(table):
+            break
+        members = np.frombuffer(table, dtype="<i4", count=int(n), offset=pos + 16)
+        comms[int(cid)] = tuple(int(r) for r in members)
+        pos += size
+    return comms
+
+
+def read_ring(path: str | Path) -> RingSnapshot:
+    """Read a ring file, also while its rank is writing it; slots caught mid-write are skipped."""
+    path = Path(path)
+    taken_ns = time.time_ns()
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            raw = handle.read(HEADER_SIZE)
+            words = _check_header(path, raw)
+            capacity = int(words[W_CAPACITY])
+            records_offset = int(words[W_RECORDS_OFFSET])
+            if records_offset + capacity * RECORD_SIZE > size:
+                raise RingFormatError(f"{path}: file is shorter than its header says")
+            mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise RingFormatError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        table_offset = int(words[W_COMM_TABLE_OFFSET])
+        table_used = min(int(words[W_COMM_TABLE_USED]), int(words[W_COMM_TABLE_SIZE]))
+        table = mapped[table_offset : table_offset + table_used]
+        live = np.ndarray(capacity, dtype=RECORD_DTYPE, buffer=mapped, offset=records_offset)
+        copied = live.copy()
+        serial_after = live["serial"].copy()
+        del live
+        raw = mapped[:HEADER_SIZE]
+    finally:
+        mapped.close()
+    words = np.frombuffer(raw, dtype="<i8", count=HEADER_SIZE // 8)
+    stable = (copied["serial"] != 0) & (copied["serial"] == serial_after)
+    records = copied[stable]
+    records = records[np.argsort(records["serial"], kind="stable")]
+    return RingSnapshot(
+        header=_header_from(words, raw),
+        records=records,
+        communicators=_parse_comm_table(table, int(words[W_COMM_COUNT])),
+        taken_ns=taken_ns,
+    )
