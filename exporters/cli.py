@@ -1,0 +1,134 @@
+"""`megatrace exporter`: build the enabled collectors and serve them until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from megatrace.exporters.guard import Collector, GuardedCollectors
+from megatrace.exporters.server import MetricsServer
+from megatrace.exporters.settings import COLLECTOR_NAMES, DEFAULT_PORT, ExporterConfig, load, parse_listen
+
+log = logging.getLogger(__name__)
+
+
+def build_collectors(config: ExporterConfig, nvml: Any = None) -> GuardedCollectors:
+    """The enabled collectors, in a fixed order, wrapped so that one failing never breaks a scrape."""
+    collectors: dict[str, Collector] = {}
+    for name in COLLECTOR_NAMES:
+        if name not in config.collectors:
+            continue
+        if name == "gpu":
+            from megatrace.exporters.gpu import GpuCollector
+            from megatrace.exporters.podresources import pod_lookup
+
+            pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
+            collectors[name] = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
+        elif name == "infiniband":
+            from megatrace.exporters.infiniband import InfinibandCollector
+
+            collectors[name] = InfinibandCollector(config.sysfs_root)
+        else:
+            from megatrace.exporters.tracer_files import TracerCollector
+
+            collectors[name] = TracerCollector(config.trace_dir, config.tracer_grace_seconds)
+    return GuardedCollectors(collectors)
+
+
+def build_registry(guarded: GuardedCollectors) -> CollectorRegistry:
+    """A registry of our own (never the process-global default) holding the guarded collectors."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(guarded)
+    return registry
+
+
+def run(config: ExporterConfig) -> int:
+    """Serve until SIGTERM or SIGINT; returns the exit code."""
+    guarded = build_collectors(config)
+    host, port = parse_listen(config.listen)
+    try:
+        server = MetricsServer((host, port), build_registry(guarded))
+    except OSError as exc:
+        log.error("cannot listen on %s: %s", config.listen, exc.strerror or exc)
+        guarded.close()
+        return 1
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info(
+        "serving /metrics on %s:%d (collectors: %s)",
+        host,
+        server.server_address[1],
+        ", ".join(guarded.collectors),
+    )
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        guarded.close()
+    return 0
+
+
+def handle(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {}
+    for key in (
+        "listen",
+        "sysfs_root",
+        "trace_dir",
+        "collectors",
+        "tracer_grace_seconds",
+        "podresources_socket",
+    ):
+        value = getattr(args, key)
+        if value is not None:
+            overrides[key] = value
+    return run(load(args.config, overrides))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "exporter",
+        help="run the node agent: GPU, InfiniBand/RoCE and tracer metrics on one /metrics endpoint",
+        description="Serve GPU (NVML), InfiniBand/RoCE (sysfs) and tracer metrics for Prometheus. "
+        "Settings come from --config, then MEGATRACE_EXPORTER_* variables, then flags. "
+        f"Default port {DEFAULT_PORT}.",
+    )
+    parser.add_argument("--config", type=Path, help="YAML configuration file")
+    parser.add_argument(
+        "--listen", metavar="HOST:PORT", help=f"address to serve on (default 0.0.0.0:{DEFAULT_PORT})"
+    )
+    parser.add_argument(
+        "--sysfs-root", dest="sysfs_root", metavar="DIR", help="sysfs mount point (default /sys)"
+    )
+    parser.add_argument(
+        "--trace-dir", dest="trace_dir", metavar="DIR", help="tracer directory (default /run/megatrace)"
+    )
+    parser.add_argument(
+        "--collectors",
+        metavar="LIST",
+        help=f"comma-separated collectors to enable (default {','.join(COLLECTOR_NAMES)})",
+    )
+    parser.add_argument(
+        "--tracer-grace",
+        dest="tracer_grace_seconds",
+        type=float,
+        metavar="SECONDS",
+        help="how long finished or dead ranks stay exported (default 300)",
+    )
+    parser.add_argument(
+        "--podresources-socket",
+        dest="podresources_socket",
+        metavar="PATH",
+        help='kubelet PodResources socket for GPU pod attribution ("" turns it off)',
+    )
+    parser.set_defaults(func=handle)

@@ -1,0 +1,68 @@
+"""Configuration of the node agent: YAML file, ``MEGATRACE_EXPORTER_*`` environment, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from megatrace.config import ConfigError, load_config
+
+DEFAULT_PORT = 9450
+COLLECTOR_NAMES = ("gpu", "infiniband", "tracer")
+ENV_PREFIX = "MEGATRACE_EXPORTER_"
+
+
+@dataclasses.dataclass
+class ExporterConfig:
+    """What `megatrace exporter` serves and where it reads from."""
+
+    listen: str = f"0.0.0.0:{DEFAULT_PORT}"
+    # A list, or one comma-separated string (handy in MEGATRACE_EXPORTER_COLLECTORS=gpu,tracer).
+    collectors: list[str] | str = dataclasses.field(default_factory=lambda: list(COLLECTOR_NAMES))
+    sysfs_root: str = "/sys"
+    trace_dir: str = "/run/megatrace"
+    # Seconds a finished or dead rank's series stay exported (with rank_alive=0) before they are dropped.
+    tracer_grace_seconds: float = 300.0
+    # kubelet PodResources socket; GPUs get pod attribution when it exists, "" turns attribution off.
+    podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    xid_wait_ms: int = 500
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; ValueError when it is not one."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port from 1 to 65535, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def check(config: ExporterConfig, source: str) -> ExporterConfig:
+    """Normalize `collectors` to a list; reject an unknown collector, a bad listen address."""
+    if isinstance(config.collectors, str):
+        names = [name.strip() for name in config.collectors.split(",") if name.strip()]
+        config = dataclasses.replace(config, collectors=names)
+    unknown = [name for name in config.collectors if name not in COLLECTOR_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"{source}: key 'collectors': unknown collector {', '.join(unknown)} "
+            f"(known: {', '.join(COLLECTOR_NAMES)})"
+        )
+    try:
+        parse_listen(config.listen)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: key 'listen': {exc}") from None
+    if config.tracer_grace_seconds < 0:
+        raise ConfigError(f"{source}: key 'tracer_grace_seconds': must not be negative")
+    if config.xid_wait_ms < 1:
+        raise ConfigError(f"{source}: key 'xid_wait_ms': must be at least 1")
+    return config
+
+
+def load(
+    path: str | Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> ExporterConfig:
+    """The agent's configuration from `path` (optional), the environment and `overrides` (flags)."""
+    config = load_config(ExporterConfig, path, env_prefix=ENV_PREFIX, environ=environ, overrides=overrides)
+    return check(config, str(path) if path is not None else "configuration")

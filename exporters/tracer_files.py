@@ -1,0 +1,151 @@
+"""Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
+
+Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
+``job`` (the training job), ``rank`` and ``local_rank``; Prometheus must scrape with
+``honor_labels: true`` so `job` is kept. A rank is alive while its header says it has not finished and
+its process exists. Ranks that are no longer alive keep being exported for a grace period (so
+``megatrace_tracer_rank_alive=0`` is seen), then dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prometheus_client.core import Metric
+
+from megatrace.exporters.families import FamilySet
+from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header
+
+log = logging.getLogger(__name__)
+
+NS = 1e-9
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with `pid` exists in this PID namespace."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class TracerCollector:
+    """Exports every rank file under `trace_dir`; dead or finished ranks vanish after `grace_seconds`."""
+
+    def __init__(
+        self,
+        trace_dir: str | Path,
+        grace_seconds: float = 300.0,
+        clock: Callable[[], float] = time.time,
+        is_alive: Callable[[int], bool] = process_exists,
+    ) -> None:
+        self.trace_dir = Path(trace_dir)
+        self.grace_seconds = grace_seconds
+        self.clock = clock
+        self.is_alive = is_alive
+        self._gone_since: dict[Path, float] = {}
+        self._lock = threading.Lock()
+
+    def rank_files(self) -> list[Path]:
+        """Ring files of all jobs, sorted by job folder then rank."""
+        return sorted(self.trace_dir.glob("*/rank-*.trace"), key=lambda p: (p.parent.name, _rank_of(p)))
+
+    def collect(self) -> Iterator[Metric]:
+        now = self.clock()
+        families = FamilySet("tracer")
+        seen: set[Path] = set()
+        for path in self.rank_files():
+            try:
+                header = read_header(path)
+            except RingFormatError as exc:
+                log.debug("skipping %s: %s", path, exc)
+                continue
+            seen.add(path)
+            alive = not header.finished and self.is_alive(header.pid)
+            if not self._still_exported(path, alive, now):
+                continue
+            self._export(families, header, path.parent.name, alive, now)
+        with self._lock:
+            for path in set(self._gone_since) - seen:
+                del self._gone_since[path]
+        return iter(families.families())
+
+    def _still_exported(self, path: Path, alive: bool, now: float) -> bool:
+        with self._lock:
+            if alive:
+                self._gone_since.pop(path, None)
+                return True
+            since = self._gone_since.setdefault(path, now)
+        return now - since <= self.grace_seconds
+
+    @staticmethod
+    def _export(families: FamilySet, h: RingHeader, folder: str, alive: bool, now: float) -> None:
+        labels = {"job": h.job or folder, "rank": str(h.rank), "local_rank": str(h.local_rank)}
+        for op, calls in sorted(h.calls_by_op.items()):
+            if calls:
+                op_labels = {**labels, "op": op}
+                families.counter(
+                    "collective_calls_total", "Collective calls the rank issued, per op.", op_labels, calls
+                )
+                families.counter(
+                    "collective_bytes_total",
+                    "Bytes the rank's collectives carried, per op.",
+                    op_labels,
+                    h.bytes_by_op.get(op, 0),
+                )
+        families.counter(
+            "collective_wait_seconds_total",
+            "Time the rank spent waiting for collectives to complete.",
+            labels,
+            h.wait_ns_total * NS,
+        )
+        families.gauge(
+            "last_progress_timestamp_seconds",
+            "Unix time the rank last completed a collective (its start time before the first).",
+            labels,
+            max(h.last_complete_ns, h.start_time_ns) * NS,
+        )
+        inflight = 0.0
+        if h.oldest_inflight_enqueue_ns and not h.finished:
+            inflight = max(0.0, now - h.oldest_inflight_enqueue_ns * NS)
+        families.gauge(
+            "oldest_inflight_seconds",
+            "Age of the rank's oldest collective still in flight (0 when none).",
+            labels,
+            inflight,
+        )
+        families.counter("steps_total", "Training steps the rank completed.", labels, h.step_count)
+        if h.step_count:
+            families.gauge(
+                "last_step_duration_seconds",
+                "Duration of the rank's last training step.",
+                labels,
+                h.last_step_ns * NS,
+            )
+        families.gauge(
+            "rank_alive",
+            "1 while the rank's process runs and has not finished, 0 once it exited or died.",
+            labels,
+            1.0 if alive else 0.0,
+        )
+        families.gauge(
+            "rank_info",
+            "Static facts about the rank.",
+            {**labels, "world_size": str(h.world_size), "pid": str(h.pid)},
+            1.0,
+        )
+
+
+def _rank_of(path: Path) -> int:
+    number = path.stem.removeprefix("rank-")
+    return int(number) if number.isdigit() else -1
