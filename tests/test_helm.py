@@ -1,0 +1,571 @@
+"""The Helm chart (helm/megatrace): lint, offline rendering with Helm's own library, schema rejection.
+
+Rendering goes through `helm_python` (the helm-python-sdk package, Helm v4's Go SDK behind a C ABI),
+so templates, `.Files.Glob` over the linked rules/ and grafana/ folders and values.schema.json
+behave exactly as `helm lint`, `helm template` and `helm install` do.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "helm" / "megatrace"
+RELEASE = "mt"
+NAMESPACE = "monitoring"
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+# Every optional feature switched on and most defaults changed.
+CUSTOM_VALUES: dict[str, Any] = {
+    "fullnameOverride": "gpu-watch",
+    "commonLabels": {"team": "infra"},
+    "image": {"repository": "registry.example/megatrace", "tag": "9.9.9", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "prometheusOperator": {"selectorLabels": {"release": "prom", "monitoring": "gpu"}},
+    "exporter": {
+        "port": 9555,
+        "collectors": ["gpu", "tracer"],
+        "traceDir": "/data/megatrace/traces",
+        "sysfsPath": "/host-sys",
+        "extraArgs": ["--log-level=debug"],
+        "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        "gpuAccess": {"runtimeClassName": "nvidia", "visibleDevices": "all"},
+        "hostPID": True,
+        "nodeSelector": {"nvidia.com/gpu.present": None, "node-role/gpu": "yes"},
+        "tolerations": [],
+        "priorityClassName": "system-node-critical",
+        "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
+        "podAnnotations": {"a": "b"},
+        "service": {"port": 19555, "annotations": {"x": "y"}},
+        "serviceMonitor": {"interval": "30s", "scrapeTimeout": "20s", "labels": {"extra": "sm"}},
+    },
+    "rules": {"labels": {"role": "alert-rules"}},
+    "dashboards": {"labels": {"grafana_dashboard": "megatrace"}, "namespace": "grafana", "folder": ""},
+    "alertbot": {
+        "port": 9600,
+        "existingSecret": "megatrace-feishu",
+        "secretEnv": [{"name": "MEGATRACE_ALERTBOT_FEISHU__APP_SECRET", "key": "app-secret"}],
+        "extraEnv": [{"name": "TZ", "value": "Asia/Shanghai"}],
+        "persistence": {"existingClaim": "bot-state", "mountPath": "/state"},
+        "traces": {"volume": {"nfs": {"server": "nfs.example", "path": "/traces"}}, "mountPath": "/mnt/t"},
+        "service": {"port": 8080},
+    },
+    "alertmanagerConfig": {
+        "labels": {"alertmanager": "main"},
+        "tokenSecretKey": "webhook-token",
+        "groupBy": ["alertname", "job", "rank"],
+        "repeatInterval": "2h",
+    },
+}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's objects as `helm template` would print them, values checked against the schema."""
+    with helm_python.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [obj for obj in objects if obj["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def by_component(objects: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
+    found = [
+        obj
+        for obj in of_kind(objects, kind)
+        if obj["metadata"]["labels"].get("app.kubernetes.io/component") == component
+    ]
+    assert len(found) == 1, f"expected one {kind} of {component}, found {len(found)}"
+    return found[0]
+
+
+def source_of(obj: dict[str, Any]) -> str:
+    """The repository file an object was built from."""
+    return obj["metadata"]["annotations"]["megatrace.io/source"]
+
+
+def rule_files() -> list[Path]:
+    """The rule files in rules/ (promtool test files, which have no `groups`, excluded)."""
+    files = sorted([*(REPO / "rules").glob("*.yml"), *(REPO / "rules").glob("*.yaml")])
+    return [path for path in files if "groups" in (yaml.safe_load(path.read_text()) or {})]
+
+
+def dashboard_files() -> list[Path]:
+    return sorted((REPO / "grafana" / "dashboards").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def defaults() -> list[dict[str, Any]]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def custom() -> list[dict[str, Any]]:
+    return render(CUSTOM_VALUES)
+
+
+@pytest.fixture(params=["defaults", "custom"])
+def objects(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return request.getfixturevalue(request.param)
+
+
+def lint_problems(values: dict[str, Any] | None = None) -> list[str]:
+    report = helm_python.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    problems = [f"{msg['path']}: {msg['error']}" for msg in report["messages"] if msg["severity"] >= 2]
+    return problems + list(report["errors"])
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["defaults", "custom"])
+def test_helm_lint_strict_passes(values: dict[str, Any] | None) -> None:
+    assert lint_problems(values) == []
+
+
+def test_every_object_is_a_named_namespaced_kubernetes_object(objects: list[dict[str, Any]]) -> None:
+    assert objects
+    seen = set()
+    for obj in objects:
+        assert re.match(r"^([a-z0-9.-]+/)?v\d+((alpha|beta)\d+)?$", obj["apiVersion"]), obj["apiVersion"]
+        assert obj["kind"][:1].isupper()
+        meta = obj["metadata"]
+        assert DNS_LABEL.match(meta["name"]) and len(meta["name"]) <= 63, meta["name"]
+        assert meta["namespace"] in (NAMESPACE, "grafana")
+        for key, value in meta["labels"].items():
+            assert LABEL_VALUE.match(str(value)) and len(str(value)) <= 63, (key, value)
+        assert (obj["kind"], meta["name"]) not in seen, f"duplicate {obj['kind']} {meta['name']}"
+        seen.add((obj["kind"], meta["name"]))
+
+
+def test_no_secret_is_created_and_credentials_are_read_by_reference(objects: list[dict[str, Any]]) -> None:
+    assert of_kind(objects, "Secret") == []
+    for kind in ("DaemonSet", "Deployment"):
+        for container in only(objects, kind)["spec"]["template"]["spec"]["containers"]:
+            for item in container.get("env", []):
+                if re.search(r"SECRET|TOKEN|PASSWORD", item["name"]):
+                    assert "value" not in item and "secretKeyRef" in item["valueFrom"], item
+
+
+def test_default_install_has_every_component(defaults: list[dict[str, Any]]) -> None:
+    kinds = sorted({obj["kind"] for obj in defaults})
+    for kind in (
+        "DaemonSet",
+        "Service",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+        "Deployment",
+        "PersistentVolumeClaim",
+        "AlertmanagerConfig",
+        "ServiceAccount",
+    ):
+        assert kind in kinds
+
+
+def exporter_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return only(objects, "DaemonSet")["spec"]["template"]["spec"]
+
+
+def test_exporter_host_paths_are_mounted_read_only(objects: list[dict[str, Any]]) -> None:
+    pod = exporter_pod(objects)
+    host_volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"] if "hostPath" in vol}
+    assert len(host_volumes) == 3
+    mounts = [m for c in pod["containers"] for m in c["volumeMounts"] if m["name"] in host_volumes]
+    assert {m["name"] for m in mounts} == set(host_volumes)
+    assert all(m.get("readOnly") is True for m in mounts), mounts
+
+
+def test_exporter_defaults_follow_the_contract(defaults: list[dict[str, Any]]) -> None:
+    pod = exporter_pod(defaults)
+    container = pod["containers"][0]
+    assert container["args"] == [
+        "exporter",
+        "--listen=0.0.0.0:9450",
+        "--sysfs-root=/host/sys",
+        "--trace-dir=/run/megatrace",
+        "--collectors=gpu,infiniband,tracer",
+    ]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9450, "protocol": "TCP"}]
+    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert (volumes["sysfs"], mounts["sysfs"]) == ("/sys", "/host/sys")
+    assert volumes["traces"] == mounts["traces"] == "/run/megatrace"
+    assert volumes["pod-resources"] == mounts["pod-resources"] == "/var/lib/kubelet/pod-resources"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert container["resources"] == {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"cpu": "200m", "memory": "128Mi"},
+    }
+    assert pod["hostPID"] is False
+    assert "runtimeClassName" not in pod
+
+
+def test_exporter_sees_gpus_without_privilege_or_taking_any(objects: list[dict[str, Any]]) -> None:
+    container = exporter_pod(objects)["containers"][0]
+    env = {item["name"]: item.get("value") for item in container["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    security = container["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    for section in container["resources"].values():
+        assert not any(name.startswith("nvidia.com/") for name in section)
+
+
+def test_exporter_follows_non_default_values(custom: list[dict[str, Any]]) -> None:
+    daemonset = only(custom, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert daemonset["metadata"]["name"] == "gpu-watch-exporter"
+    assert container["image"] == "registry.example/megatrace:9.9.9"
+    assert container["imagePullPolicy"] == "Always"
+    assert container["args"] == [
+        "exporter",
+        "--listen=0.0.0.0:9555",
+        "--sysfs-root=/host/sys",
+        "--trace-dir=/data/megatrace/traces",
+        "--collectors=gpu,tracer",
+        "--log-level=debug",
+    ]
+    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"]}
+    assert volumes["sysfs"] == "/host-sys"
+    assert volumes["traces"] == "/data/megatrace/traces"
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["hostPID"] is True
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["nodeSelector"] == {"node-role/gpu": "yes"}
+    assert "tolerations" not in pod
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"name": "EXTRA", "value": "1"} in container["env"]
+    assert container["resources"] == {
+        "requests": {"cpu": "100m", "memory": "96Mi"},
+        "limits": {"cpu": "200m", "memory": "256Mi"},
+    }
+    assert daemonset["spec"]["template"]["metadata"]["annotations"] == {"a": "b"}
+    assert daemonset["metadata"]["labels"]["team"] == "infra"
+
+
+def test_pod_resources_mount_can_be_switched_off() -> None:
+    pod = exporter_pod(render({"exporter": {"podResources": {"enabled": False}}}))
+    assert [vol["name"] for vol in pod["volumes"]] == ["sysfs", "traces"]
+
+
+@pytest.mark.parametrize(("component", "port_name"), [("exporter", "metrics"), ("alertbot", "http")])
+def test_services_select_their_pods_and_named_ports(
+    objects: list[dict[str, Any]], component: str, port_name: str
+) -> None:
+    workload_kind = "DaemonSet" if component == "exporter" else "Deployment"
+    workload = by_component(objects, workload_kind, component)
+    service = by_component(objects, "Service", component)
+    pod_labels = workload["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert workload["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    container_ports = {port["name"] for container in containers for port in container["ports"]}
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == [port_name]
+    assert port_name in container_ports
+    monitor = by_component(objects, "ServiceMonitor", component)
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port_name]
+
+
+def test_exporter_service_monitor_keeps_the_training_job_label(objects: list[dict[str, Any]]) -> None:
+    monitor = by_component(objects, "ServiceMonitor", "exporter")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True
+    assert endpoint["path"] == "/metrics"
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "node",
+        "action": "replace",
+    } in endpoint["relabelings"]
+
+
+def test_operator_selector_labels_reach_every_operator_object(custom: list[dict[str, Any]]) -> None:
+    for kind in ("ServiceMonitor", "PrometheusRule", "AlertmanagerConfig"):
+        for obj in of_kind(custom, kind):
+            labels = obj["metadata"]["labels"]
+            assert labels["release"] == "prom" and labels["monitoring"] == "gpu", (kind, labels)
+    assert by_component(custom, "ServiceMonitor", "exporter")["metadata"]["labels"]["extra"] == "sm"
+    assert {obj["metadata"]["labels"]["role"] for obj in of_kind(custom, "PrometheusRule")} == {"alert-rules"}
+    assert only(custom, "AlertmanagerConfig")["metadata"]["labels"]["alertmanager"] == "main"
+
+
+def test_rule_files_exist_to_be_read() -> None:
+    assert rule_files(), "rules/ holds no rule file for the chart to read"
+
+
+def test_prometheus_rules_equal_the_rules_folder(objects: list[dict[str, Any]]) -> None:
+    rules = {source_of(obj): obj for obj in of_kind(objects, "PrometheusRule")}
+    expected = {f"rules/{path.name}": yaml.safe_load(path.read_text())["groups"] for path in rule_files()}
+    assert sorted(rules) == sorted(expected)
+    for source, groups in expected.items():
+        assert rules[source]["spec"] == {"groups": groups}, source
+
+
+def test_every_alert_in_the_rendered_rules_is_graded(defaults: list[dict[str, Any]]) -> None:
+    alerts = [
+        rule
+        for obj in of_kind(defaults, "PrometheusRule")
+        for group in obj["spec"]["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    ]
+    assert alerts
+    for alert in alerts:
+        assert alert["labels"]["severity"] in ("P0", "P1", "P2", "P3"), alert["alert"]
+
+
+def test_rule_files_can_be_excluded() -> None:
+    first = rule_files()[0].name
+    sources = [source_of(obj) for obj in of_kind(render({"rules": {"exclude": [first]}}), "PrometheusRule")]
+    assert f"rules/{first}" not in sources
+    assert len(sources) == len(rule_files()) - 1
+
+
+def test_dashboard_files_exist_to_be_read() -> None:
+    assert dashboard_files(), "grafana/dashboards holds no dashboard for the chart to read"
+
+
+def test_dashboards_equal_the_grafana_folder(defaults: list[dict[str, Any]]) -> None:
+    maps = [obj for obj in of_kind(defaults, "ConfigMap") if "grafana_dashboard" in obj["metadata"]["labels"]]
+    assert len(maps) == len(dashboard_files())
+    by_file = {next(iter(obj["data"])): obj for obj in maps}
+    for path in dashboard_files():
+        config_map = by_file[path.name]
+        assert json.loads(config_map["data"][path.name]) == json.loads(path.read_text())
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert config_map["metadata"]["annotations"]["grafana_folder"] == "Megatrace"
+        assert config_map["metadata"]["namespace"] == NAMESPACE
+
+
+def test_dashboards_follow_sidecar_values(custom: list[dict[str, Any]]) -> None:
+    maps = [obj for obj in of_kind(custom, "ConfigMap") if obj["metadata"]["labels"].get("grafana_dashboard")]
+    assert len(maps) == len(dashboard_files())
+    for config_map in maps:
+        assert config_map["metadata"]["labels"]["grafana_dashboard"] == "megatrace"
+        assert config_map["metadata"]["namespace"] == "grafana"
+        assert "grafana_folder" not in config_map["metadata"]["annotations"]
+
+
+def test_alertbot_runs_once_with_state_on_a_claim(defaults: list[dict[str, Any]]) -> None:
+    deployment = only(defaults, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    pod = deployment["spec"]["template"]["spec"]
+    claim = only(defaults, "PersistentVolumeClaim")
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    volumes = {vol["name"]: vol for vol in pod["volumes"]}
+    assert volumes["state"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    container = pod["containers"][0]
+    assert container["args"] == ["alertbot", "--config=/etc/megatrace/alertbot.yaml"]
+    assert {"name": "state", "mountPath": "/var/lib/megatrace"} in container["volumeMounts"]
+    bot_config = by_component(defaults, "ConfigMap", "alertbot")
+    assert volumes["config"]["configMap"]["name"] == bot_config["metadata"]["name"]
+
+
+def test_alertbot_secrets_come_only_from_the_existing_secret(custom: list[dict[str, Any]]) -> None:
+    container = only(custom, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    secret_env = [item for item in container["env"] if "valueFrom" in item]
+    assert secret_env == [
+        {
+            "name": "MEGATRACE_ALERTBOT_FEISHU__APP_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": "megatrace-feishu", "key": "app-secret"}},
+        }
+    ]
+
+
+def test_alertbot_uses_an_existing_claim_and_the_trace_volume(custom: list[dict[str, Any]]) -> None:
+    assert of_kind(custom, "PersistentVolumeClaim") == []
+    pod = only(custom, "Deployment")["spec"]["template"]["spec"]
+    volumes = {vol["name"]: vol for vol in pod["volumes"]}
+    assert volumes["state"]["persistentVolumeClaim"]["claimName"] == "bot-state"
+    assert volumes["traces"]["nfs"] == {"server": "nfs.example", "path": "/traces"}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["traces"] == {"name": "traces", "mountPath": "/mnt/t", "readOnly": True}
+    assert mounts["state"]["mountPath"] == "/state"
+
+
+def test_alertbot_without_persistence_keeps_state_in_an_empty_dir() -> None:
+    objects = render({"alertbot": {"persistence": {"enabled": False}}})
+    assert of_kind(objects, "PersistentVolumeClaim") == []
+    volumes = {vol["name"]: vol for vol in only(objects, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["state"] == {"name": "state", "emptyDir": {}}
+
+
+def test_alertmanager_config_routes_graded_alerts_to_the_bot(objects: list[dict[str, Any]]) -> None:
+    config = only(objects, "AlertmanagerConfig")
+    assert config["apiVersion"] == "monitoring.coreos.com/v1alpha1"
+    service = by_component(objects, "Service", "alertbot")
+    (receiver,) = config["spec"]["receivers"]
+    assert config["spec"]["route"]["receiver"] == receiver["name"]
+    assert config["spec"]["route"]["matchers"] == [{"name": "severity", "matchType": "=~", "value": "P[0-3]"}]
+    (webhook,) = receiver["webhookConfigs"]
+    port = service["spec"]["ports"][0]["port"]
+    assert webhook["url"] == f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}/alertmanager"
+    assert webhook["sendResolved"] is True
+
+
+def test_alertmanager_config_sends_the_token_from_the_secret(custom: list[dict[str, Any]]) -> None:
+    config = only(custom, "AlertmanagerConfig")
+    webhook = config["spec"]["receivers"][0]["webhookConfigs"][0]
+    assert webhook["url"].endswith(":8080/alertmanager")
+    assert webhook["httpConfig"]["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "megatrace-feishu", "key": "webhook-token"},
+    }
+    assert config["spec"]["route"]["groupBy"] == ["alertname", "job", "rank"]
+    assert config["spec"]["route"]["repeatInterval"] == "2h"
+
+
+def test_components_can_be_switched_off() -> None:
+    objects = render(
+        {
+            "exporter": {"enabled": False},
+            "alertbot": {"enabled": False},
+            "rules": {"enabled": False},
+            "dashboards": {"enabled": False},
+        }
+    )
+    assert objects == []
+
+
+def test_operator_objects_can_be_left_out_when_the_crds_are_absent() -> None:
+    objects = render(
+        {
+            "exporter": {"serviceMonitor": {"enabled": False}},
+            "alertbot": {"serviceMonitor": {"enabled": False}},
+            "rules": {"enabled": False},
+            "alertmanagerConfig": {"enabled": False},
+        }
+    )
+    assert not [obj for obj in objects if obj["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert only(objects, "DaemonSet") and only(objects, "Deployment")
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"exporter": {"port": "9450"}}, "/exporter/port"),
+        ({"exporter": {"port": 70000}}, "/exporter/port"),
+        ({"exporter": {"collectors": ["nvml"]}}, "/exporter/collectors/0"),
+        ({"exporter": {"collectors": []}}, "/exporter/collectors"),
+        ({"exporter": {"traceDir": "run/megatrace"}}, "/exporter/traceDir"),
+        ({"exporter": {"hostPID": "yes"}}, "/exporter/hostPID"),
+        ({"exporter": {"serviceMonitor": {"interval": "often"}}}, "/exporter/serviceMonitor/interval"),
+        ({"exporter": {"resources": {"limits": {"memory": "lots"}}}}, "/exporter/resources/limits/memory"),
+        ({"exporter": {"nodeSelector": {"gpu": True}}}, "/exporter/nodeSelector/gpu"),
+        ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+        ({"image": {"repository": ""}}, "/image/repository"),
+        ({"alertbot": {"secretEnv": [{"name": "FEISHU_SECRET", "key": "s"}]}}, "/alertbot/secretEnv/0/name"),
+        ({"alertbot": {"secretEnv": [{"name": "MEGATRACE_ALERTBOT_X"}]}}, "/alertbot/secretEnv/0"),
+        ({"alertbot": {"persistence": {"accessModes": ["ReadWriteSometimes"]}}}, "/alertbot/persistence"),
+        ({"alertbot": {"service": {"type": "Ingress"}}}, "/alertbot/service/type"),
+        ({"alertbot": {"feishuSecret": "hunter2"}}, "/alertbot"),
+        ({"alertmanagerConfig": {"groupWait": 10}}, "/alertmanagerConfig/groupWait"),
+        ({"exporters": {"enabled": True}}, "exporters"),
+    ],
+)
+def test_schema_rejects_wrong_values(values: dict[str, Any], where: str) -> None:
+    with helm_python.Chart.load(CHART) as chart, pytest.raises(helm_python.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    assert where in str(caught.value)
+    assert any(where in problem for problem in lint_problems(values))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            {"alertbot": {"secretEnv": [{"name": "MEGATRACE_ALERTBOT_TOKEN", "key": "t"}]}},
+            "alertbot.existingSecret",
+        ),
+        ({"alertmanagerConfig": {"tokenSecretKey": "token"}}, "alertbot.existingSecret"),
+    ],
+)
+def test_secret_references_without_a_secret_fail_to_render(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+def schema_paths(
+    schema: dict[str, Any], definitions: dict[str, Any], follow_refs: bool, prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[str, ...]]:
+    """Key paths the schema names properties for (inside shared definitions too when `follow_refs`)."""
+    if "$ref" in schema:
+        if not follow_refs:
+            return
+        schema = definitions[schema["$ref"].rsplit("/", 1)[1]]
+    for key, sub in schema.get("properties", {}).items():
+        yield (*prefix, key)
+        yield from schema_paths(sub, definitions, follow_refs, (*prefix, key))
+
+
+def load_schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_values_yaml_is_documented_line_by_line() -> None:
+    """Every key the chart defines (shared definitions' inner keys aside) has a comment right above it."""
+    schema = load_schema()
+    described = {".".join(path) for path in schema_paths(schema, schema["definitions"], follow_refs=False)}
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    stack: list[tuple[int, str]] = []
+    checked, undocumented = 0, []
+    for number, line in enumerate(lines):
+        found = re.match(r"^( *)([A-Za-z][A-Za-z0-9_]*):", line)
+        if not found:
+            continue
+        indent = len(found.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, found.group(2)))
+        path = ".".join(key for _, key in stack)
+        if path in described:
+            checked += 1
+            if not lines[number - 1].strip().startswith("#"):
+                undocumented.append(f"values.yaml line {number + 1}: {path}")
+    assert checked == len(described) - 1  # all but `global`, which values.yaml leaves to the parent chart
+    assert undocumented == []
+
+
+def test_packaged_chart_carries_the_linked_rules_and_dashboards(tmp_path: Path) -> None:
+    archive = Path(helm_python.package(CHART, destination=tmp_path))
+    assert archive.name == "megatrace-0.1.0.tgz"
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        for path in rule_files():
+            member = f"megatrace/files/rules/{path.name}"
+            assert member in names
+            assert tar.extractfile(member).read() == path.read_bytes()  # type: ignore[union-attr]
+        for path in dashboard_files():
+            assert f"megatrace/files/grafana/dashboards/{path.name}" in names
+    with helm_python.Chart.load(archive) as chart:
+        manifests = chart.render(name=RELEASE, namespace=NAMESPACE)
+    rendered = [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+    assert len(of_kind(rendered, "PrometheusRule")) == len(rule_files())
