@@ -117,9 +117,13 @@ class FakeNvml:
 
     SUPPORTED_EVENTS = pynvml.nvmlEventTypeXidCriticalError | pynvml.nvmlEventTypeSingleBitEccError
 
-    def __init__(self, gpus: list[FakeGpu], driver_version: str = "550.90.07") -> None:
+    def __init__(
+        self, gpus: list[FakeGpu], driver_version: str = "550.90.07", init_error: int | None = None
+    ) -> None:
         self.gpus = gpus
         self.driver_version = driver_version
+        # An NVML_ERROR_* code nvmlInit fails with (e.g. NVML_ERROR_DRIVER_NOT_LOADED), None to succeed.
+        self.init_error = init_error
         self.init_count = 0
         self.calls: list[str] = []
         self.event_sets: list[FakeEventSet] = []
@@ -138,6 +142,8 @@ class FakeNvml:
     # -- library --------------------------------------------------------------------------------
     def nvmlInit(self) -> None:
         with self._lock:
+            if self.init_error is not None:
+                raise _error(self.init_error)
             self.init_count += 1
 
     def nvmlShutdown(self) -> None:

@@ -1,0 +1,131 @@
+"""InfiniBand/RoCE collector on fixture sysfs trees laid out as the kernel lays them out."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from megatrace.exporters.infiniband import InfinibandCollector, parse_rate, parse_state
+from tests.exporters.exposition import promtool_check, render, samples, value
+from tests.support.services import free_port, require_binary, running
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sysfs"
+PORT_DIR = "devices/pci0000:00/0000:00:02.0/0000:3b:00.0/infiniband/mlx5_0/ports/1"
+
+
+@pytest.mark.parametrize("fixture", ["infiniband", "roce"])
+def test_whole_exposition_matches_expected_file(fixture: str) -> None:
+    text = render(InfinibandCollector(FIXTURES / fixture))
+    assert text == (FIXTURES / f"{fixture}.prom").read_text()
+
+
+@pytest.mark.parametrize("fixture", ["infiniband", "roce"])
+def test_promtool_accepts_the_exposition(fixture: str) -> None:
+    result = promtool_check(render(InfinibandCollector(FIXTURES / fixture)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == b""
+
+
+def test_data_counters_are_words_times_four_and_na_is_skipped() -> None:
+    text = render(InfinibandCollector(FIXTURES / "infiniband"))
+    ib = "megatrace_infiniband_"
+    received = value(text, ib + "port_data_received_bytes_total", device="mlx5_0", port="1")
+    assert received == 1217340391482 * 4
+    legacy = value(text, ib + "legacy_data_transmitted_bytes_total", device="mlx4_0", port="1")
+    assert legacy == 38574914832 * 4
+    down_port = {("device", "mlx4_0"), ("port", "2")}
+    names_on_down_port = {name for name, labels in samples(text) if down_port <= set(labels)}
+    # port_xmit_wait and the unicast/multicast counters read "N/A (no PMA)" on the down port
+    assert "megatrace_infiniband_port_transmit_wait_total" not in names_on_down_port
+    assert "megatrace_infiniband_unicast_packets_received_total" not in names_on_down_port
+    assert "megatrace_infiniband_legacy_data_received_bytes_total" not in names_on_down_port
+    assert value(text, "megatrace_infiniband_state_id", device="mlx4_0", port="2") == 1
+    assert value(text, "megatrace_infiniband_physical_state_id", device="mlx4_0", port="2") == 2
+
+
+def test_roce_port_has_hw_counters_and_ethernet_link_layer() -> None:
+    text = render(InfinibandCollector(FIXTURES / "roce"))
+    assert value(text, "megatrace_infiniband_hw_np_cnp_sent_total", device="mlx5_2", port="1") == 891234
+    assert value(text, "megatrace_infiniband_hw_out_of_buffer_total", device="mlx5_2", port="1") == 2231
+    assert value(text, "megatrace_infiniband_info", device="mlx5_2", port="1", link_layer="Ethernet") == 1
+    # lifespan is a setting (how long the driver caches counters), not a counter
+    assert not any("lifespan" in name for name, _ in samples(text))
+    assert value(text, "megatrace_infiniband_rate_bytes_per_second", device="mlx5_2", port="1") == 12.5e9
+
+
+def test_unreadable_files_are_skipped_quietly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "sys"
+    shutil.copytree(FIXTURES / "infiniband", root, symlinks=True)
+    port = root / PORT_DIR
+    (port / "counters" / "symbol_error").unlink()
+    (port / "counters" / "symbol_error").mkdir()  # read() fails with EISDIR, even for root
+    (port / "counters" / "link_downed").unlink()
+    (port / "counters" / "link_downed").symlink_to("gone")  # ENOENT
+    (port / "rate").unlink()
+    (port / "rate").mkdir()
+    (port / "hw_counters" / "out_of_buffer").write_text("N/A (no PMA)\n")
+    caplog.set_level(logging.INFO)
+
+    text = render(InfinibandCollector(root))
+
+    got = samples(text)
+    expected = samples((FIXTURES / "infiniband.prom").read_text())
+    port_labels = (("device", "mlx5_0"), ("port", "1"))
+    missing = {name for name, labels in set(expected) - set(got)}
+    assert missing == {
+        "megatrace_infiniband_symbol_error_total",
+        "megatrace_infiniband_link_downed_total",
+        "megatrace_infiniband_rate_bytes_per_second",
+        "megatrace_infiniband_hw_out_of_buffer_total",
+    }
+    assert all(labels == port_labels for name, labels in set(expected) - set(got))
+    assert set(got) <= set(expected)
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_no_infiniband_class_means_no_series(tmp_path: Path) -> None:
+    assert samples(render(InfinibandCollector(tmp_path))) == {}
+
+
+def test_parsers() -> None:
+    assert parse_state("4: ACTIVE") == 4
+    assert parse_state("5: LinkUp") == 5
+    assert parse_state("ACTIVE") is None
+    assert parse_state(None) is None
+    assert parse_rate("400 Gb/sec (4X NDR)") == 50e9
+    assert parse_rate("2.5 Gb/sec (1X SDR)") == 312_500_000
+    assert parse_rate("fast") is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["infiniband", "roce"])
+def test_same_names_and_values_as_node_exporter(fixture: str, tmp_path: Path) -> None:
+    """Every node_infiniband_* series of node_exporter on the same tree is ours as megatrace_infiniband_*."""
+    port = free_port()
+    argv = [
+        require_binary("prometheus-node-exporter"),
+        f"--path.sysfs={FIXTURES / fixture}",
+        "--collector.disable-defaults",
+        "--collector.infiniband",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    url = f"http://127.0.0.1:{port}/metrics"
+    with running(argv, url, tmp_path / "node_exporter.log"):
+        theirs = samples(requests.get(url, timeout=10).text)
+    ours = samples(render(InfinibandCollector(FIXTURES / fixture)))
+    compared = 0
+    for (name, labels), their_value in theirs.items():
+        if not name.startswith("node_infiniband_"):
+            continue
+        our_name = "megatrace_" + name.removeprefix("node_")
+        if name == "node_infiniband_info":
+            matches = [ls for n, ls in ours if n == our_name and set(labels) <= set(ls)]
+            assert matches, f"no megatrace_infiniband_info carrying {labels}"
+        else:
+            assert ours.get((our_name, labels)) == their_value, f"{our_name}{dict(labels)}"
+        compared += 1
+    assert compared > 15
