@@ -71,9 +71,3 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "http://%s.%s.svc:%v/alertmanager" (include "megatrace.alertbot.fullname" .) .Release.Namespace .Values.alertbot.service.port }}
 {{- end }}
 
-{{/* The alert bot's config file: the chart's own keys (listen address, paths in the pod) under the user's map. */}}
-{{- define "megatrace.alertbot.config" -}}
-{{- $bot := .Values.alertbot }}
-{{- $managed := dict "listen" (printf "0.0.0.0:%v" $bot.port) }}
-{{- toYaml (mergeOverwrite (deepCopy $bot.config) $managed) }}
-{{- end }}
