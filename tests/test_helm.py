@@ -80,17 +80,20 @@ CUSTOM_VALUES: dict[str, Any] = {
 }
 
 
+def objects_of(manifests: dict[str, str]) -> list[dict[str, Any]]:
+    """The Kubernetes objects in rendered manifests (NOTES.txt is text for the user, not an object)."""
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if not path.endswith("NOTES.txt"):
+            objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The chart's objects as `helm template` would print them, values checked against the schema."""
     with helm_python.Chart.load(CHART) as chart:
         chart.validate_schema(values)
-        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    objects = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
-    return objects
+        return objects_of(chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True))
 
 
 def only(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -634,5 +637,4 @@ def test_packaged_chart_carries_the_linked_rules_and_dashboards(tmp_path: Path) 
             assert f"megatrace/files/grafana/dashboards/{path.name}" in names
     with helm_python.Chart.load(archive) as chart:
         manifests = chart.render(name=RELEASE, namespace=NAMESPACE)
-    rendered = [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
-    assert len(of_kind(rendered, "PrometheusRule")) == len(rule_files())
+    assert len(of_kind(objects_of(manifests), "PrometheusRule")) == len(rule_files())
