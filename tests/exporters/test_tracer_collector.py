@@ -1,0 +1,115 @@
+"""Tracer collector on ring files written by the tracer's own writer and recorder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatrace.exporters.tracer_files import TracerCollector, process_exists
+from megatrace.tracer.recorder import Recorder
+from megatrace.tracer.ringfile import OP_CODES, W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
+from tests.exporters.exposition import names, promtool_check, render, samples, value
+
+
+def start_rank(trace_dir: Path, job: str, rank: int, pid: int, local_rank: int | None = None) -> Recorder:
+    identity = RankIdentity(
+        job=job,
+        rank=rank,
+        local_rank=rank % 8 if local_rank is None else local_rank,
+        world_size=16,
+        host="gpu-node-07",
+        pid=pid,
+        start_time_ns=time.time_ns(),
+    )
+    writer = RingWriter(ring_path(trace_dir / job, rank), identity, capacity=64, comm_table_bytes=4096)
+    writer.add_communicator(comm_id(tuple(range(16))), tuple(range(16)))
+    return Recorder(writer, rank)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_live_rank_counters(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "pretrain-42", 9, os.getpid())
+    cid = comm_id(tuple(range(16)))
+    for _ in range(3):
+        recorder.end(recorder.begin(cid, OP_CODES["all_reduce"], 1 << 20, 1, -1, 0))
+    recorder.end(recorder.begin(cid, OP_CODES["all_gather"], 4096, 1, -1, 0))
+    recorder.mark_step()
+    stuck = recorder.begin(cid, OP_CODES["reduce_scatter"], 512, 1, -1, 0)
+    assert stuck
+    now = time.time() + 30
+
+    text = render(TracerCollector(tmp_path, clock=lambda: now))
+
+    rank = {"job": "pretrain-42", "rank": "9", "local_rank": "1"}
+    assert value(text, "megatrace_tracer_collective_calls_total", **rank, op="all_reduce") == 3
+    assert value(text, "megatrace_tracer_collective_bytes_total", **rank, op="all_reduce") == 3 << 20
+    assert value(text, "megatrace_tracer_collective_calls_total", **rank, op="reduce_scatter") == 1
+    assert "broadcast" not in {dict(ls).get("op") for ls in (k[1] for k in samples(text))}
+    assert value(text, "megatrace_tracer_collective_wait_seconds_total", **rank) > 0
+    assert value(text, "megatrace_tracer_steps_total", **rank) == 1
+    assert value(text, "megatrace_tracer_last_step_duration_seconds", **rank) > 0
+    assert 30 <= value(text, "megatrace_tracer_oldest_inflight_seconds", **rank) < 60
+    assert now - 60 < value(text, "megatrace_tracer_last_progress_timestamp_seconds", **rank) <= now - 30
+    assert value(text, "megatrace_tracer_rank_alive", **rank) == 1
+    assert value(text, "megatrace_tracer_rank_info", **rank, world_size="16", pid=str(os.getpid())) == 1
+    result = promtool_check(text)
+    assert result.returncode == 0, result.stdout + result.stderr
+    recorder.writer.close()
+
+
+def test_finished_rank_is_not_alive_and_dropped_after_the_grace_period(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "sft-7", 0, os.getpid())
+    recorder.header[W_FINISHED] = 1
+    live = start_rank(tmp_path, "sft-8", 0, os.getpid())
+    clock = [1_000.0]
+    collector = TracerCollector(tmp_path, grace_seconds=60, clock=lambda: clock[0])
+
+    text = render(collector)
+    assert value(text, "megatrace_tracer_rank_alive", job="sft-7", rank="0") == 0
+    assert value(text, "megatrace_tracer_oldest_inflight_seconds", job="sft-7", rank="0") == 0
+    clock[0] += 60
+    assert value(render(collector), "megatrace_tracer_rank_alive", job="sft-7", rank="0") == 0
+    clock[0] += 1
+    text = render(collector)
+    assert not [ls for (n, ls) in samples(text) if ("job", "sft-7") in ls]
+    assert value(text, "megatrace_tracer_rank_alive", job="sft-8", rank="0") == 1
+    recorder.writer.close()
+    live.writer.close()
+
+
+def test_rank_whose_process_died_is_not_alive(tmp_path: Path) -> None:
+    pid = dead_pid()
+    assert not process_exists(pid)
+    recorder = start_rank(tmp_path, "pretrain-43", 3, pid)
+    text = render(TracerCollector(tmp_path))
+    assert value(text, "megatrace_tracer_rank_alive", job="pretrain-43", rank="3") == 0
+    recorder.writer.close()
+
+
+def test_files_that_are_not_ring_files_are_skipped(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "pretrain-44", 1, os.getpid())
+    (tmp_path / "pretrain-44" / "rank-2.trace").write_bytes(b"not a ring file")
+    (tmp_path / "pretrain-44" / "rank-3.trace").write_bytes(b"")
+    (tmp_path / "pretrain-44" / "rank-1.stall-1.txt").write_text("a dump, not a ring\n")
+    text = render(TracerCollector(tmp_path))
+    assert {dict(ls)["rank"] for (n, ls) in samples(text)} == {"1"}
+    recorder.writer.close()
+
+
+def test_missing_trace_dir_means_no_series(tmp_path: Path) -> None:
+    assert names(render(TracerCollector(tmp_path / "absent"))) == set()
+
+
+@pytest.mark.parametrize("pid", [0, -5])
+def test_impossible_pids_are_not_processes(pid: int) -> None:
+    assert not process_exists(pid)
