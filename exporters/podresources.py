@@ -105,7 +105,7 @@ def pod_lookup(socket_path: Path, timeout: float = 2.0) -> Callable[[], dict[str
             with grpc.insecure_channel(f"unix://{socket_path}") as channel:
                 call = channel.unary_unary(LIST_METHOD)
                 return gpu_owners(call(b"", timeout=timeout))
-        except (grpc.RpcError, WireError) as exc:
+        except (grpc.RpcError, ValueError) as exc:
             log.warning("kubelet PodResources at %s: %s", socket_path, exc)
             return {}
 
