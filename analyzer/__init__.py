@@ -1,1 +1,35 @@
-"""Trace-log analyzer: loads every supported format into one table and localizes hung and slow ranks."""
+"""Trace-log analyzer: loads every supported format into one table and localizes hung and slow ranks.
+
+`analyze(paths, layout=None)` returns the JSON report of the contract as a dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
+
+
+def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = False, stall_s: float = 1.0):
+    """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from."""
+    from megatrace.analyzer.hang import detect_hang
+    from megatrace.analyzer.loader import load
+    from megatrace.analyzer.report import build_report
+    from megatrace.analyzer.slow import detect_slow
+
+    if isinstance(paths, str | Path):
+        paths = [paths]
+    resolved = layout if isinstance(layout, Layout) or layout is None else None
+    if isinstance(layout, LayoutConfig) and layout.world_size:
+        resolved = resolve(layout)
+    table, loaded = load(list(paths), resolved, progress)
+    if isinstance(layout, LayoutConfig) and resolved is None:
+        resolved = resolve(layout, table.world_size or None)
+    hang = detect_hang(table, stall_s)
+    slow = detect_slow(table, resolved)
+    return build_report(table, loaded, hang, slow, resolved), table
+
+
+def analyze(paths, layout: Layout | LayoutConfig | None = None) -> dict:
+    """Analyze the trace logs under `paths` (files or directories); returns the JSON report as a dict."""
+    return run(paths, layout)[0]

@@ -16,7 +16,7 @@ from megatrace import __version__
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
 
-COMMAND_MODULES: tuple[str, ...] = ("megatrace.exporters.cli",)
+COMMAND_MODULES: tuple[str, ...] = ("megatrace.exporters.cli", "megatrace.alertbot.command", "megatrace.analyzer.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,61 @@
+"""``megatrace analyze``: name the hung or slow rank from trace logs (text, JSON or Chrome-trace output)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatrace.analyzer import run
+from megatrace.analyzer.layout import DEFAULT_ORDER, LayoutError, layout_config_from, load_layout_file
+from megatrace.analyzer.report import render
+from megatrace.config import ConfigError
+
+LAYOUT_FLAGS = ("world_size", "tp", "pp", "dp", "cp", "ep", "order", "gpus_per_node")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "analyze",
+        help="localize the hung or slow rank from trace logs",
+        description="Read trace logs (Megatrace ring files and dumps, Megatrace NCCL logs, PyTorch Flight "
+        "Recorder dumps; formats are auto-detected) and name the hung or slow rank. Exit code 0 when "
+        "healthy, 1 when a hang or slow rank is found, 2 on bad arguments.",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="trace files or directories holding them")
+    p.add_argument("--format", choices=["text", "json", "chrome"], default="text", help="report format")
+    p.add_argument("--output", "-o", metavar="FILE", help="write the report here instead of stdout")
+    p.add_argument("--world-size", type=int, help="number of ranks (default: from the logs)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: what remains of the world size)")
+    p.add_argument("--cp", type=int, help="context-parallel size")
+    p.add_argument("--ep", type=int, help="expert-parallel size")
+    p.add_argument("--order", help=f"Megatron order string, fastest first (default {DEFAULT_ORDER})")
+    p.add_argument("--gpus-per-node", type=int, help="ranks per node when logs do not name hosts (default 8)")
+    p.add_argument("--layout", metavar="FILE", help="YAML layout file (keys as the flags, e.g. tp: 8)")
+    p.add_argument("--stall-seconds", type=float, default=1.0, help="in-flight this long counts as stuck")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    p.set_defaults(func=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    values = {name: getattr(args, name) for name in LAYOUT_FLAGS}
+    given = {k: v for k, v in values.items() if v is not None}
+    try:
+        if args.layout:
+            config = load_layout_file(args.layout, overrides=given)
+        else:
+            config = layout_config_from(given) if given else None
+        report, table = run(
+            args.paths, config, progress=not args.quiet and sys.stderr.isatty(), stall_s=args.stall_seconds
+        )
+    except (LayoutError, ConfigError) as exc:
+        print(f"megatrace analyze: {exc}", file=sys.stderr)
+        return 2
+    text = render(report, args.format, table)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0 if report["verdict"] == "healthy" else 1

@@ -1,0 +1,230 @@
+"""Hang localization: which rank(s) everybody else is waiting for, told apart from their victims.
+
+Per communicator, each member's last sequence number shows how far it got. A rank is *blocked* at
+the oldest call that never completed (logs with completion times, once it has been stuck for
+``stall_s``) or, for enqueue-only logs, at the first call of a communicator that some member never
+issued, provided that call is among its last few records. A blocked rank waits for the members that
+never issued its call. Ranks waited on that are not blocked themselves (busy in compute, or dead)
+are the culprits; blocked ranks are victims. A call every member issued and none completed means
+the communication itself is stuck. Ranks waiting on each other in a cycle are a deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatrace.analyzer.table import OPS, TraceTable
+
+ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
+
+
+@dataclass
+class HangSuspect:
+    rank: int
+    confidence: float
+    evidence: str
+    cause: str  # "rank_missing" | "communication_stuck" | "deadlock" | "no_log"
+    waited_by: list[int] = field(default_factory=list)
+
+
+@dataclass
+class HangResult:
+    suspects: list[HangSuspect]
+    victims: list[int]
+    blocked_at: dict[int, tuple[int, int]]  # rank -> (comm, seq)
+    notes: list[str]
+
+
+def last_seq_per_member(table: TraceTable) -> dict[tuple[int, int], int]:
+    """(comm, rank) -> highest sequence number that rank issued in that communicator."""
+    if not len(table):
+        return {}
+    world = max(table.world_size, 1)
+    key = table["comm"].astype(np.int64) * world + table["rank"]
+    uniq, inverse = np.unique(key, return_inverse=True)
+    best = np.full(len(uniq), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(best, inverse.reshape(-1), table["seq"])
+    return {
+        (int(k // world), int(k % world)): int(v) for k, v in zip(uniq.tolist(), best.tolist(), strict=True)
+    }
+
+
+def _label(table: TraceTable, comm: int) -> str:
+    c = table.comms[comm]
+    members = list(c.members)
+    shown = ",".join(map(str, members[:8])) + (",…" if len(members) > 8 else "")
+    if c.p2p:
+        return f"P2P channel {members[0]}<->{members[-1]}"
+    return f"communicator [{shown}] ({len(members)} ranks)"
+
+
+def _usable(table: TraceTable, comm: int) -> bool:
+    c = table.comms[comm]
+    return len(c.members) >= 2 and (not c.p2p or len(c.members) == 2)
+
+
+def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
+    last = last_seq_per_member(table)
+    notes: list[str] = []
+    ranks_present = set(table.ranks)
+    blocked: dict[int, tuple[int, int]] = {}
+    pending_age: dict[int, float] = {}
+    n = len(table)
+    cols = table.columns
+    has_comp = np.zeros(max(table.world_size, 1), dtype=bool)
+    for rank, info in table.ranks.items():
+        has_comp[rank] = info.has_completion and not info.finished
+    if n:
+        pending = (cols["complete_ns"] == 0) & has_comp[cols["rank"]]
+        rows = np.flatnonzero(pending)
+        order = rows[np.lexsort((cols["enqueue_ns"][rows], cols["rank"][rows]))]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = cols["rank"][order][1:] != cols["rank"][order][:-1]
+        for row in order[first].tolist():
+            rank = int(cols["rank"][row])
+            comm = int(cols["comm"][row])
+            age = (table.ranks[rank].observed_until_ns - int(cols["enqueue_ns"][row])) / 1e9
+            if age >= stall_s and _usable(table, comm):
+                blocked[rank] = (comm, int(cols["seq"][row]))
+                pending_age[rank] = age
+    # enqueue-only ranks: blocked at the first call of a communicator some member never issued
+    members_last: dict[int, dict[int, int]] = {}
+    for (comm, rank), seq in last.items():
+        members_last.setdefault(comm, {})[rank] = seq
+    frontier_block: dict[int, tuple[int, int]] = {}
+    for comm, seen in members_last.items():
+        if not _usable(table, comm):
+            continue
+        members = table.comms[comm].members
+        lasts = [seen.get(m, -1) for m in members]
+        stuck = min(lasts) + 1
+        if stuck > max(lasts):
+            continue
+        for m, value in zip(members, lasts, strict=True):
+            if value >= stuck and m in ranks_present and not table.ranks[m].has_completion:
+                prev = frontier_block.get(m)
+                if prev is None or _first_time(table, m, comm, stuck) < _first_time(table, m, *prev):
+                    frontier_block[m] = (comm, stuck)
+    for rank, (comm, seq) in frontier_block.items():
+        tail = _records_after(table, rank, _first_time(table, rank, comm, seq))
+        if tail <= ASYNC_WINDOW:
+            blocked[rank] = (comm, seq)
+        else:
+            notes.append(
+                f"rank {rank} went {tail} calls past {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"{_label(table, comm)} that some members never logged: their logs end earlier "
+                "(saved at different times), not a hang"
+            )
+    # waits-for graph
+    waits: dict[int, set[int]] = {}
+    stuck_comms: dict[tuple[int, int], list[int]] = {}
+    for rank, (comm, seq) in blocked.items():
+        members = table.comms[comm].members
+        missing = {m for m in members if members_last.get(comm, {}).get(m, -1) < seq}
+        if missing:
+            waits[rank] = missing
+        else:
+            stuck_comms.setdefault((comm, seq), []).append(rank)
+    suspects: list[HangSuspect] = []
+    culprits: dict[int, list[int]] = {}
+    for rank, targets in waits.items():
+        for target in targets:
+            if target not in blocked:
+                culprits.setdefault(target, []).append(rank)
+    for target, waiters in sorted(culprits.items(), key=lambda item: (-len(item[1]), item[0])):
+        comm, seq = blocked[waiters[0]]
+        op = OPS[_op_at(table, waiters[0], comm, seq)]
+        age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
+        waited = f" for {age:.1f} s" if age else ""
+        if target not in ranks_present:
+            cause, what = "no_log", f"rank {target} left no trace log"
+        else:
+            cause, what = "rank_missing", f"rank {target} never issued {op} #{seq} on {_label(table, comm)}"
+        suspects.append(
+            HangSuspect(
+                target,
+                round(
+                    min(
+                        0.99,
+                        0.75 + 0.25 * min(1.0, len(waiters) / max(1, len(table.comms[comm].members) - 1)),
+                    ),
+                    2,
+                )
+                if cause == "rank_missing"
+                else 0.7,
+                f"{what}; {len(waiters)} peer(s) have waited in it{waited} (first: rank {min(waiters)}).",
+                cause,
+                sorted(waiters),
+            )
+        )
+    for (comm, seq), ranks in stuck_comms.items():
+        members = table.comms[comm].members
+        if set(ranks) >= set(members):
+            op = OPS[_op_at(table, ranks[0], comm, seq)]
+            age = max(pending_age.get(r, 0.0) for r in ranks)
+            for m in members:
+                suspects.append(
+                    HangSuspect(
+                        m,
+                        round(0.5 + 0.4 / len(members), 2),
+                        f"all {len(members)} members of {_label(table, comm)} entered {op} #{seq} and none "
+                        f"completed it in {age:.1f} s: the communication itself is stuck (network/NCCL), "
+                        "no rank is missing.",
+                        "communication_stuck",
+                    )
+                )
+    if not suspects and waits:
+        suspects.extend(_deadlock(table, waits, blocked))
+    named = {s.rank for s in suspects}
+    victims = sorted(r for r in blocked if r not in named)
+    return HangResult(suspects, victims, blocked, notes)
+
+
+def _deadlock(table: TraceTable, waits: dict[int, set[int]], blocked: dict) -> list[HangSuspect]:
+    """Ranks in a waits-for cycle: every rank waited on is itself blocked."""
+    in_cycle = set()
+    for start in waits:
+        seen: list[int] = []
+        node = start
+        while node in waits and node not in seen:
+            seen.append(node)
+            node = min(waits[node])
+        if node in seen:
+            in_cycle.update(seen[seen.index(node) :])
+    out = []
+    for rank in sorted(in_cycle):
+        comm, seq = blocked[rank]
+        out.append(
+            HangSuspect(
+                rank,
+                0.6,
+                f"rank {rank} is blocked in {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"{_label(table, comm)} waiting for rank(s) {sorted(waits[rank])}, which wait on it in turn: "
+                "a deadlock (calls issued in a different order).",
+                "deadlock",
+            )
+        )
+    return out
+
+
+def _find(table: TraceTable, rank: int, comm: int, seq: int) -> int:
+    lo, hi = table.rank_span(rank)
+    hit = np.flatnonzero((table["comm"][lo:hi] == comm) & (table["seq"][lo:hi] == seq))
+    return lo + int(hit[0]) if len(hit) else -1
+
+
+def _first_time(table: TraceTable, rank: int, comm: int, seq: int) -> int:
+    row = _find(table, rank, comm, seq)
+    return int(table["enqueue_ns"][row]) if row >= 0 else np.iinfo(np.int64).max
+
+
+def _op_at(table: TraceTable, rank: int, comm: int, seq: int) -> int:
+    row = _find(table, rank, comm, seq)
+    return int(table["op"][row]) if row >= 0 else len(OPS) - 1
+
+
+def _records_after(table: TraceTable, rank: int, t_ns: int) -> int:
+    lo, hi = table.rank_span(rank)
+    return int((table["enqueue_ns"][lo:hi] > t_ns).sum())

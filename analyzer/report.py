@@ -1,0 +1,168 @@
+"""Reports: the JSON contract (`verdict`, `suspects`, …), terminal text, a Chrome-trace/Perfetto timeline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from megatrace.analyzer.hang import HangResult
+from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.loader import LoadReport
+from megatrace.analyzer.slow import SlowResult, rank_hosts
+from megatrace.analyzer.table import OPS, TraceTable
+
+CHROME_MAX_EVENTS_PER_RANK = 2000
+
+
+def build_report(
+    table: TraceTable, load: LoadReport, hang: HangResult, slow: SlowResult, layout: Layout | None
+) -> dict:
+    hosts = rank_hosts(table, layout) if table.world_size else []
+    suspects = []
+    for s in hang.suspects:
+        suspects.append(
+            {
+                "rank": s.rank,
+                "kind": "hang",
+                "confidence": s.confidence,
+                "evidence": s.evidence,
+                "cause": s.cause,
+            }
+        )
+    if not suspects:
+        for s in slow.suspects:
+            entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}
+            entry["slowdown_estimate"] = round(s.relative, 4)
+            if s.group:
+                entry["group"] = list(s.group)
+            suspects.append(entry)
+    for entry in suspects:
+        rank = entry["rank"]
+        if rank < len(hosts):
+            entry["host"] = hosts[rank]
+        if layout is not None and rank < layout.world_size:
+            entry["position"] = layout.describe(rank)
+            entry["coords"] = layout.coords(rank)
+    verdict = "hang" if hang.suspects else ("slow" if suspects else "healthy")
+    return {
+        "verdict": verdict,
+        "suspects": suspects,
+        "victims": hang.victims if hang.suspects else [],
+        "world_size": table.world_size,
+        "ranks_with_logs": len(table.ranks),
+        "records": len(table),
+        "communicators": len(table.comms),
+        "clock_offsets_ms": {h: round(v / 1e6, 3) for h, v in sorted(slow.skew_ns.items())},
+        "notes": [*table.notes, *hang.notes],
+        "inputs": load.as_dict(),
+        "layout": None
+        if layout is None
+        else {"world_size": layout.world_size, **layout.sizes, "order": "-".join(layout.order)},
+    }
+
+
+def render_text(report: dict) -> str:
+    verdict = report["verdict"]
+    suspects = report["suspects"]
+    if verdict == "healthy":
+        head = f"HEALTHY: no hung or slow rank found in {report['ranks_with_logs']} rank log(s)."
+    else:
+        top = suspects[0]
+        where = f" on {top['host']}" if top.get("host") else ""
+        head = f"{verdict.upper()}: rank {top['rank']}{where} — {top['evidence']}"
+    lines = [head, ""]
+    if suspects:
+        lines.append(f"{'rank':>6}  {'kind':<5} {'conf':>5}  {'host':<16} {'position':<28} evidence")
+        for s in suspects:
+            lines.append(
+                f"{s['rank']:>6}  {s['kind']:<5} {s['confidence']:>5.2f}  {s.get('host', ''):<16} "
+                f"{s.get('position', ''):<28} {s['evidence']}"
+            )
+        lines.append("")
+    if report.get("victims"):
+        v = report["victims"]
+        lines.append(
+            f"victims (blocked behind the suspects): {len(v)} rank(s): {v[:32]}{' …' if len(v) > 32 else ''}"
+        )
+    skew = {h: o for h, o in report["clock_offsets_ms"].items() if abs(o) >= 0.5}
+    if skew:
+        lines.append("clock offsets removed (ms): " + ", ".join(f"{h} {o:+.1f}" for h, o in skew.items()))
+    inputs = report["inputs"]
+    lines.append(
+        f"read: {inputs['files_by_format']} — {report['records']} calls, "
+        f"{report['communicators']} communicators"
+    )
+    for path, count in inputs["lines_skipped"].items():
+        lines.append(f"skipped {count} malformed line(s) in {path}")
+    if inputs["duplicates_dropped"]:
+        lines.append(
+            f"dropped {inputs['duplicates_dropped']} duplicate record(s) from overlapping save batches"
+        )
+    for path, why in inputs["ignored"].items():
+        lines.append(f"ignored {path}: {why}")
+    lines.extend(f"note: {note}" for note in report["notes"])
+    return "\n".join(lines) + "\n"
+
+
+def chrome_trace(table: TraceTable, report: dict) -> dict:
+    """All ranks' calls as complete events (pid = host, tid = rank); suspects marked in names and args."""
+    suspects = {s["rank"]: s for s in report["suspects"]}
+    events: list[dict] = []
+    cols = table.columns
+    if not len(table):
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    t0 = int(cols["enqueue_ns"].min())
+    tend = int(max(cols["enqueue_ns"].max(), cols["complete_ns"].max()))
+    hosts = sorted({(info.host or f"ranks {r // 8 * 8}-{r // 8 * 8 + 7}") for r, info in table.ranks.items()})
+    pid_of = {h: i + 1 for i, h in enumerate(hosts)}
+    for h, pid in pid_of.items():
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": h}})
+    for rank in sorted(table.ranks):
+        info = table.ranks[rank]
+        pid = pid_of[info.host or f"ranks {rank // 8 * 8}-{rank // 8 * 8 + 7}"]
+        mark = suspects.get(rank)
+        label = f"rank {rank}" + (f" [SUSPECT {mark['kind']}]" if mark else "")
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank, "args": {"name": label}})
+        lo, hi = table.rank_span(rank)
+        lo = max(lo, hi - CHROME_MAX_EVENTS_PER_RANK)
+        enq = cols["enqueue_ns"][lo:hi]
+        done = cols["complete_ns"][lo:hi]
+        nxt = np.append(enq[1:], enq[-1] if len(enq) else 0)
+        end = np.where(done > 0, done, np.where(np.arange(len(enq)) < len(enq) - 1, nxt, tend))
+        for i in range(hi - lo):
+            row = lo + i
+            name = OPS[int(cols["op"][row])]
+            events.append(
+                {
+                    "name": name + ("" if done[i] > 0 or not info.has_completion else " (never completed)"),
+                    "cat": table.comms[int(cols["comm"][row])].key,
+                    "ph": "X",
+                    "ts": (int(enq[i]) - t0) / 1000.0,
+                    "dur": max(int(end[i]) - int(enq[i]), 0) / 1000.0,
+                    "pid": pid,
+                    "tid": rank,
+                    "args": {"seq": int(cols["seq"][row]), "bytes": int(cols["nbytes"][row])},
+                }
+            )
+        if mark:
+            events.append(
+                {
+                    "name": f"suspect: {mark['kind']}",
+                    "ph": "i",
+                    "s": "t",
+                    "ts": (tend - t0) / 1000.0,
+                    "pid": pid,
+                    "tid": rank,
+                    "args": {"evidence": mark["evidence"], "confidence": mark["confidence"]},
+                }
+            )
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"verdict": report["verdict"]}}
+
+
+def render(report: dict, fmt: str, table: TraceTable) -> str:
+    if fmt == "json":
+        return json.dumps(report, indent=2) + "\n"
+    if fmt == "chrome":
+        return json.dumps(chrome_trace(table, report)) + "\n"
+    return render_text(report)

@@ -1,0 +1,202 @@
+"""Slow-rank localization: who arrives last at collectives, again and again, once clock skew is removed.
+
+Every collective instance (communicator, sequence) is a column of a members × instances matrix of
+enqueue times. Clock skew first: each node's clock offset is the median, over its ranks and the
+instances of communicators spanning several nodes, of how far its members' *completion* times sit
+from the instance median (a collective completes at the same moment on every member, so this is
+pure skew). Logs without completion times use the enqueue times instead, so a constant per-node
+lateness is taken for skew there. After removing the offsets, a member's *lateness* in an instance
+is its enqueue time minus the instance median. A rank is late in a communicator when it arrives
+after the median in most instances (persistence) by a median margin of at least `MIN_REL` of the
+communicator's call interval (effect size). A rank late in *every* communicator it belongs to is a
+straggler; ranks late only where they wait for a straggler are victims; a whole group late
+together (and no straggler inside) is reported as a slow group (imbalance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.table import TraceTable
+
+MIN_INSTANCES = 8
+MAX_INSTANCES = 4000
+MIN_REL = 0.02
+MIN_PERSISTENCE = 0.8
+
+
+@dataclass
+class CommLateness:
+    comm: int
+    members: np.ndarray
+    late_ns: np.ndarray  # median lateness per member
+    persistence: np.ndarray  # share of instances arriving after the median
+    interval_ns: float
+    instances: int
+
+
+@dataclass
+class SlowSuspect:
+    rank: int
+    confidence: float
+    evidence: str
+    relative: float
+    group: tuple[int, ...] = ()
+
+
+@dataclass
+class SlowResult:
+    suspects: list[SlowSuspect]
+    skew_ns: dict[str, float] = field(default_factory=dict)
+    measured: int = 0
+
+
+def rank_hosts(table: TraceTable, layout: Layout | None) -> list[str]:
+    """Host of every rank: from the logs where known, else the layout's node (8 ranks a node by default)."""
+    per_node = layout.gpus_per_node if layout else 8
+    hosts = [f"node{r // per_node}" for r in range(table.world_size)]
+    for rank, info in table.ranks.items():
+        if info.host:
+            hosts[rank] = info.host
+    return hosts
+
+
+def _matrices(table: TraceTable):
+    """Yield (comm, members, enqueue matrix, completion matrix or None) per usable communicator."""
+    cols = table.columns
+    usable = np.array([len(c.members) >= 2 and not c.p2p for c in table.comms] + [False], dtype=bool)
+    comm = cols["comm"]
+    keep = np.flatnonzero(usable[comm]) if len(comm) else np.zeros(0, dtype=np.int64)
+    if not len(keep):
+        return
+    key = comm[keep]
+    key = key.astype(np.int16) if len(table.comms) < 32767 else key
+    order = keep[np.argsort(key, kind="stable")]
+    sorted_comm = comm[order]
+    bounds = np.flatnonzero(np.diff(sorted_comm)) + 1
+    t0 = int(cols["enqueue_ns"][keep].min())
+    for seg in np.split(order, bounds):
+        c = int(comm[seg[0]])
+        members = np.asarray(table.comms[c].members, dtype=np.int64)
+        idx = np.searchsorted(members, cols["rank"][seg])
+        idx = np.minimum(idx, len(members) - 1)
+        valid = members[idx] == cols["rank"][seg]
+        seg, idx = seg[valid], idx[valid]
+        seqs, col = np.unique(cols["seq"][seg], return_inverse=True)
+        if len(seqs) < MIN_INSTANCES:
+            continue
+        enq = np.full((len(members), len(seqs)), np.nan)
+        enq[idx, col] = cols["enqueue_ns"][seg] - t0
+        raw = cols["complete_ns"][seg]
+        done = np.full((len(members), len(seqs)), np.nan)
+        done[idx, col] = np.where(raw > 0, raw - t0, np.nan)
+        full = ~np.isnan(enq).any(axis=0)
+        enq, done = enq[:, full][:, -MAX_INSTANCES:], done[:, full][:, -MAX_INSTANCES:]
+        if enq.shape[1] < MIN_INSTANCES:
+            continue
+        has_done = not bool(np.isnan(done).any())
+        yield c, members, enq, (done if has_done else None)
+
+
+def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
+    """Per-host clock offset (ns) from communicators spanning several hosts."""
+    per_rank: dict[int, list[float]] = {}
+    for _c, members, enq, done in mats:
+        if len({hosts[m] for m in members.tolist()}) < 2:
+            continue
+        ref = done if done is not None else enq
+        base = ref[:, 0:1]
+        dev = np.median((ref - base) - np.median(ref - base, axis=0, keepdims=True), axis=1)
+        for m, d in zip(members.tolist(), dev.tolist(), strict=True):
+            per_rank.setdefault(m, []).append(d)
+    per_host: dict[str, list[float]] = {}
+    for rank, values in per_rank.items():
+        per_host.setdefault(hosts[rank], []).append(float(np.median(values)))
+    return {host: float(np.median(values)) for host, values in per_host.items()}
+
+
+def comm_lateness(mats, hosts: list[str], offsets: dict[str, float]) -> list[CommLateness]:
+    out = []
+    for c, members, enq, _done in mats:
+        shift = np.array([offsets.get(hosts[m], 0.0) for m in members.tolist()])[:, None]
+        t = enq - shift
+        med = np.median(t, axis=0)
+        late = t - med[None, :]
+        interval = float(np.median(np.diff(med))) if len(med) > 1 else 0.0
+        out.append(
+            CommLateness(
+                c,
+                members,
+                np.median(late, axis=1),
+                (late > 0).mean(axis=1),
+                max(interval, 1.0),
+                enq.shape[1],
+            )
+        )
+    return out
+
+
+def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
+    hosts = rank_hosts(table, layout)
+    mats = list(_matrices(table))
+    offsets = _host_offsets(mats, hosts)
+    per_comm = comm_lateness(mats, hosts, offsets)
+    late: dict[int, dict[int, tuple[float, float, CommLateness]]] = {}
+    for cl in per_comm:
+        rel = cl.late_ns / cl.interval_ns
+        for i, m in enumerate(cl.members.tolist()):
+            late.setdefault(m, {})[cl.comm] = (float(rel[i]), float(cl.persistence[i]), cl)
+    is_late = {
+        m: {c for c, (rel, pers, _cl) in comms.items() if rel >= MIN_REL and pers >= MIN_PERSISTENCE}
+        for m, comms in late.items()
+    }
+    stragglers = [m for m, comms in late.items() if comms and is_late[m] == set(comms)]
+    suspects = []
+    for m in stragglers:
+        rel = min(late[m][c][0] for c in late[m])
+        pers = min(late[m][c][1] for c in late[m])
+        worst = max(late[m].values(), key=lambda item: item[0])
+        cl = worst[2]
+        suspects.append(
+            SlowSuspect(
+                m,
+                round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
+                f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
+                f"communicator it is in, by a median {worst[0]:.1%} of the call interval "
+                f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
+                f"{len(cl.members)} ranks).",
+                rel,
+            )
+        )
+    flagged = set(stragglers)
+    for m, comms in late.items():
+        if m in flagged or not is_late[m]:
+            continue
+        for c in set(comms) - is_late[m]:
+            group = tuple(late[m][c][2].members.tolist())
+            if all(g in late and is_late[g] and g not in stragglers for g in group):
+                rel = float(np.median([max(late[g][x][0] for x in is_late[g]) for g in group]))
+                for g in group:
+                    if g in flagged:
+                        continue
+                    flagged.add(g)
+                    suspects.append(
+                        SlowSuspect(
+                            g,
+                            round(float(np.clip(min(1.0, rel / (2 * MIN_REL)) * 0.8, 0.0, 0.9)), 2),
+                            f"the whole group {_short(group)} is late together by {rel:.1%} of the call "
+                            f"interval in its other communicators while no member lags inside it: "
+                            "the group (stage) is slow, an imbalance rather than one bad rank.",
+                            rel,
+                            group,
+                        )
+                    )
+    suspects.sort(key=lambda s: (-s.relative, s.rank))
+    return SlowResult(suspects, offsets, len(per_comm))
+
+
+def _short(group: tuple[int, ...]) -> str:
+    return "[" + ",".join(map(str, group[:8])) + (",…" if len(group) > 8 else "") + "]"
