@@ -1,0 +1,142 @@
+"""Alertmanager API v2 client: reconciliation (catch firing alerts and resolves whose webhooks were
+missed) and silences."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import requests
+
+from megatrace.alertbot.config import AlertmanagerConfig
+from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_alert
+from megatrace.alertbot.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class AlertmanagerError(RuntimeError):
+    """Alertmanager could not be reached or refused the request."""
+
+
+def _call(method: str, url: str, timeout: float, **kwargs: Any) -> Any:
+    try:
+        response = requests.request(method, url, timeout=timeout, **kwargs)
+    except requests.RequestException as exc:
+        raise AlertmanagerError(f"Alertmanager unreachable: {type(exc).__name__}") from None
+    if not response.ok:
+        raise AlertmanagerError(f"Alertmanager answered HTTP {response.status_code}: {response.text[:300]}")
+    try:
+        return response.json()
+    except ValueError:
+        raise AlertmanagerError("Alertmanager answered with invalid JSON") from None
+
+
+def fetch_alerts(cfg: AlertmanagerConfig) -> list[dict[str, Any]]:
+    """Every alert Alertmanager holds (active, silenced and inhibited), for our receiver if set."""
+    params = {"active": "true", "silenced": "true", "inhibited": "true", "unprocessed": "true"}
+    if cfg.receiver:
+        params["receiver"] = cfg.receiver
+    data = _call("GET", f"{cfg.url.rstrip('/')}/api/v2/alerts", cfg.timeout_s, params=params)
+    if not isinstance(data, list):
+        raise AlertmanagerError("GET /api/v2/alerts did not return a list")
+    return data
+
+
+def reconcile(store: Store, cfg: AlertmanagerConfig, now: float) -> tuple[int, int]:
+    """Queue (as a stored webhook) the firing alerts we never saw and resolves of episodes that
+    Alertmanager no longer holds; returns (missed firing, missed resolved)."""
+    present: set[tuple[str, float]] = set()
+    missed: list[Alert] = []
+    for i, raw in enumerate(fetch_alerts(cfg)):
+        try:
+            alert = parse_alert(raw, f"alert[{i}]")
+        except PayloadError as exc:
+            log.warning("reconciliation skipped an alert Alertmanager returned: %s", exc)
+            continue
+        if alert.ends_at is not None and alert.ends_at <= now:
+            continue
+        present.add((alert.fingerprint, alert.starts_at))
+        state = raw.get("status", {}).get("state") if isinstance(raw.get("status"), dict) else None
+        if state == "active" and store.find_episode(alert.fingerprint, alert.starts_at) is None:
+            missed.append(alert)
+    gone = [
+        row
+        for row in store.firing_episodes()
+        if (row["fingerprint"], row["starts_at"]) not in present
+        and now - row["last_seen"] >= cfg.resolve_grace_s
+    ]
+    alerts = [
+        _webhook_alert(a.status, a.labels, a.annotations, a.starts_at, None, a.generator_url, a.fingerprint)
+        for a in missed
+    ]
+    alerts += [
+        _webhook_alert(
+            "resolved",
+            json.loads(row["labels"]),
+            json.loads(row["annotations"]),
+            row["starts_at"],
+            now,
+            row["generator_url"],
+            row["fingerprint"],
+        )
+        for row in gone
+    ]
+    if alerts:
+        body = {
+            "version": "4",
+            "status": "firing" if missed else "resolved",
+            "receiver": "reconciliation",
+            "groupKey": "reconciliation",
+            "externalURL": cfg.url,
+            "alerts": alerts,
+        }
+        store.add_inbox("reconcile", json.dumps(body), now)
+        log.info("reconciliation: %d missed firing, %d missed resolved", len(missed), len(gone))
+    return len(missed), len(gone)
+
+
+def _webhook_alert(
+    status: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    starts_at: float,
+    ends_at: float | None,
+    generator_url: str,
+    fingerprint: str,
+) -> dict[str, Any]:
+    return {
+        "status": status,
+        "labels": labels,
+        "annotations": annotations,
+        "startsAt": format_time(starts_at),
+        "endsAt": format_time(ends_at),
+        "generatorURL": generator_url,
+        "fingerprint": fingerprint,
+    }
+
+
+def create_silence(
+    cfg: AlertmanagerConfig,
+    matchers: dict[str, str],
+    starts: float,
+    ends: float,
+    created_by: str,
+    comment: str,
+) -> str:
+    """Create a silence of exactly these label values; returns its id."""
+    body = {
+        "matchers": [
+            {"name": name, "value": value, "isRegex": False, "isEqual": True}
+            for name, value in sorted(matchers.items())
+        ],
+        "startsAt": format_time(starts),
+        "endsAt": format_time(ends),
+        "createdBy": created_by,
+        "comment": comment,
+    }
+    data = _call("POST", f"{cfg.url.rstrip('/')}/api/v2/silences", cfg.timeout_s, json=body)
+    if not isinstance(data, dict) or not data.get("silenceID"):
+        raise AlertmanagerError("Alertmanager did not return a silenceID")
+    return str(data["silenceID"])

@@ -1,0 +1,195 @@
+"""Feishu interactive cards rendered from Jinja2 templates (``card_*.json.j2``).
+
+A template in the configured `templates_dir` replaces the built-in one of the same name. A user
+template that fails to render or is not valid JSON is logged and the built-in one is used, so a
+template mistake never loses an alert. Cards are shrunk until the message fits Feishu's 20 KB.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+from zoneinfo import ZoneInfo
+
+import jinja2
+
+from megatrace.alertbot.config import LinksConfig
+
+log = logging.getLogger(__name__)
+
+COLOURS = {"P0": "red", "P1": "orange", "P2": "yellow", "P3": "blue"}
+HIDDEN_LABELS = frozenset({"alertname", "severity"})
+CARD_LIMIT = 19 * 1024  # leaves room for the message envelope and signature within 20 KB
+
+
+def _environment(loader: jinja2.BaseLoader) -> jinja2.Environment:
+    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False)
+
+
+def human_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{days}d"] * bool(days) + [f"{hours}h"] * bool(hours) + [f"{minutes}m"] * bool(minutes)
+    return " ".join(parts[:2]) or f"{secs}s"
+
+
+def silence_url(base: str, labels: dict[str, str]) -> str:
+    """Alertmanager UI link that opens a new silence pre-filled with the alert's labels."""
+    wanted = {k: v for k, v in labels.items() if k not in ("severity",)}
+    matcher = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(wanted.items())) + "}"
+    return f"{base.rstrip('/')}/#/silences/new?filter={quote(matcher)}"
+
+
+class CardRenderer:
+    """Builds the context of each card kind and renders it through the (overridable) templates."""
+
+    def __init__(self, templates_dir: str, links: LinksConfig, timezone: str = "UTC") -> None:
+        builtin = jinja2.FileSystemLoader(str(Path(__file__).parent))
+        self.builtin = _environment(builtin)
+        self.user = _environment(jinja2.FileSystemLoader(templates_dir)) if templates_dir else None
+        self.links = links
+        self.zone = ZoneInfo(timezone)
+
+    def when(self, epoch: float | None) -> str:
+        if epoch is None:
+            return ""
+        return datetime.fromtimestamp(epoch, self.zone).strftime("%Y-%m-%d %H:%M:%S %Z")
+
+    def render(self, name: str, context: dict[str, Any]) -> dict[str, Any]:
+        """Render template `name`, preferring the user's copy; always returns a card object."""
+        if self.user is not None:
+            try:
+                return json.loads(self.user.get_template(name).render(context))
+            except jinja2.TemplateNotFound:
+                pass
+            except (jinja2.TemplateError, json.JSONDecodeError) as exc:
+                log.error("template %s in templates_dir failed (%s); using the built-in one", name, exc)
+        return json.loads(self.builtin.get_template(name).render(context))
+
+    def fit(self, name: str, make_context: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """Render with shrinking detail (`make_context(budget)`) until the card fits the size limit."""
+        for budget in (4000, 1000, 250, 60):
+            card = self.render(name, make_context(budget))
+            if len(json.dumps(card, ensure_ascii=False).encode()) <= CARD_LIMIT:
+                return card
+        return card
+
+    def _link_buttons(self, labels: dict[str, str], annotations: dict[str, str], row: Any) -> list[dict]:
+        buttons = []
+        if annotations.get("runbook_url"):
+            buttons.append({"text": "Runbook", "type": "primary", "url": annotations["runbook_url"]})
+        if self.links.grafana_url:
+            buttons.append({"text": "Grafana", "type": "default", "url": self.links.grafana_url})
+        if row["generator_url"]:
+            buttons.append({"text": "Prometheus", "type": "default", "url": row["generator_url"]})
+        am = self.links.alertmanager_url or row["external_url"]
+        if am:
+            buttons.append({"text": "Silence", "type": "danger", "url": silence_url(am, labels)})
+        return buttons
+
+    def alert_card(
+        self, row: sqlite3.Row | dict, kind: str, ref: str, flap_hold_s: float, now: float
+    ) -> dict:
+        labels = json.loads(row["labels"])
+        annotations = json.loads(row["annotations"])
+        state = "RESOLVED" if kind == "resolved" else "FIRING"
+        where = ", ".join(
+            f"{k} {labels[k]}" for k in ("job", "rank", "instance", "node", "gpu", "device") if k in labels
+        )
+
+        def context(budget: int) -> dict[str, Any]:
+            return {
+                "kind": kind,
+                "level": row["level"],
+                "colour": "green" if kind == "resolved" else COLOURS[row["level"]],
+                "title": f"[{row['level']}] {state}: {annotations.get('summary') or row['alertname']}"[
+                    :budget
+                ],
+                "alertname": row["alertname"],
+                "summary": annotations.get("summary", "")[:budget],
+                "description": annotations.get("description", "")[:budget],
+                "where": where[:budget] or "(no location labels)",
+                "since": self.when(row["starts_at"]),
+                "ended": self.when(row["ends_at"]),
+                "duration": human_duration((row["ends_at"] or now) - row["starts_at"]),
+                "recurrence": row["recurrence"],
+                "recent": row["recent"],
+                "escalated": bool(row["escalated"]),
+                "flapping": bool(row["flapping"]),
+                "flap_hold": human_duration(flap_hold_s),
+                "labels": [
+                    (k, v[: budget // 4]) for k, v in sorted(labels.items()) if k not in HIDDEN_LABELS
+                ][: max(3, budget // 40)],
+                "links": self._link_buttons(labels, annotations, row),
+                "ref": ref,
+            }
+
+        return self.fit("card_alert.json.j2", context)
+
+    def storm_card(self, storm: Any, members: list[Any], window_s: float, ref: str) -> dict:
+        first = members[0]
+        annotations = json.loads(first["annotations"])
+
+        def describe(member: Any) -> str:
+            lab = json.loads(member["labels"])
+            keys = [k for k in ("job", "rank", "instance", "node", "gpu", "device", "port") if k in lab]
+            text = " ".join(f"{k}={lab[k]}" for k in keys) or member["fingerprint"]
+            return text + (" (resolved)" if member["status"] == "resolved" else "")
+
+        def context(budget: int) -> dict[str, Any]:
+            shown = members[: max(5, budget // 20)]
+            return {
+                "title": f"[{storm['level']}] STORM: {len(members)} × {storm['alertname']}",
+                "colour": COLOURS[storm["level"]],
+                "alertname": storm["alertname"],
+                "count": len(members),
+                "window": human_duration(window_s),
+                "summary": annotations.get("summary", "")[:budget],
+                "members": [describe(m)[: budget // 4] for m in shown],
+                "more": len(members) - len(shown),
+                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first),
+                "ref": ref,
+            }
+
+        return self.fit("card_storm.json.j2", context)
+
+    def drilldown_card(self, job: str, alertname: str, level: str, result: dict[str, Any], ref: str) -> dict:
+        suspects = [s for s in result.get("suspects", []) if isinstance(s, dict)]
+        verdict = result.get("verdict", "")
+        headline = f"rank {suspects[0].get('rank')}" if suspects and verdict != "healthy" else verdict
+        if result.get("error"):
+            headline = "drill-down failed"
+
+        def context(budget: int) -> dict[str, Any]:
+            return {
+                "title": f"[{level}] DRILL-DOWN {alertname} job {job}: {headline}"[:200],
+                "colour": COLOURS[level],
+                "job": job,
+                "verdict": verdict,
+                "error": str(result.get("error", ""))[:budget],
+                "suspects": [
+                    {
+                        "rank": s.get("rank"),
+                        "host": s.get("host", ""),
+                        "kind": s.get("kind", ""),
+                        "confidence": float(s.get("confidence", 0) or 0),
+                        "evidence": str(s.get("evidence", ""))[:budget],
+                    }
+                    for s in suspects[: max(1, budget // 200)]
+                ],
+                "hints": [str(h)[:budget] for h in result.get("hints", [])][: max(2, budget // 100)],
+                "ref": ref,
+            }
+
+        return self.fit("card_drilldown.json.j2", context)
+
+    def report_card(self, summary: dict[str, Any]) -> dict:
+        return self.render("card_report.json.j2", summary)

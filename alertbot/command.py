@@ -1,0 +1,106 @@
+"""The `megatrace alertbot` subcommand: run the service, or write (and optionally send) a report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+from megatrace.alertbot import config as bot_config
+from megatrace.config import ConfigError
+
+
+def _date(value: str) -> str:
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a date like 2026-11-16 or 2026-11-16T09:00, got {value!r}"
+        ) from None
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "alertbot",
+        help="run the alert bot (Alertmanager webhook → Feishu), or write its weekly report",
+        description="Receive Alertmanager webhooks, dedupe and grade them, deliver to Feishu (or the "
+        "console), drill down into hangs, and write weekly reports.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML configuration (see docs/alertbot.md)")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="override `listen` (default 127.0.0.1:9451)")
+    parser.set_defaults(func=run_service)
+    sub = parser.add_subparsers(dest="alertbot_command", metavar="ACTION")
+    report = sub.add_parser(
+        "report",
+        help="write the alert report workbook for a period",
+        description="Write the .xlsx report of the alert episodes that started in [--since, --until).",
+    )
+    report.add_argument("--config", dest="report_config", metavar="FILE", help="YAML configuration")
+    report.add_argument("--since", required=True, type=_date, help="start (ISO date/time, report time zone)")
+    report.add_argument("--until", required=True, type=_date, help="end, exclusive (ISO date/time)")
+    report.add_argument("--output", metavar="FILE", help="workbook path (default: report.directory/…)")
+    report.add_argument(
+        "--send", action="store_true", help="also deliver it (Feishu file + card, or console)"
+    )
+    report.set_defaults(func=run_report)
+
+
+def _load(args: argparse.Namespace, path: str | None) -> bot_config.AlertbotConfig:
+    overrides = {"listen": args.listen} if getattr(args, "listen", None) else None
+    return bot_config.load(path, overrides)
+
+
+def run_service(args: argparse.Namespace) -> int:
+    from megatrace.alertbot.service import Service
+
+    cfg = _load(args, args.config)
+    try:
+        service = Service(cfg)
+    except OSError as exc:
+        raise ConfigError(f"cannot start: {exc}") from None
+    service.run_forever()
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatrace.alertbot.report import build_report
+    from megatrace.alertbot.service import Service
+
+    cfg = _load(args, args.report_config or args.config)
+    zone = ZoneInfo(cfg.report.timezone)
+    since = datetime.fromisoformat(args.since).replace(tzinfo=zone)
+    until = datetime.fromisoformat(args.until).replace(tzinfo=zone)
+    if until <= since:
+        print("megatrace alertbot report: --until must be after --since", file=sys.stderr)
+        return 2
+    if not args.send:
+        from megatrace.alertbot.store import Store
+
+        store = Store(cfg.store.path, cfg.store.synchronous)
+        name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
+        path = Path(args.output) if args.output else Path(cfg.report.directory) / name
+        summary = build_report(
+            store, since.timestamp(), until.timestamp(), path, cfg.report.top_n, cfg.report.timezone
+        )
+        store.close()
+        print(json.dumps({"path": str(path), "episodes": summary["total"]}))
+        return 0
+    if args.output:
+        cfg.report.directory = str(Path(args.output).parent)
+    service = Service(cfg)
+    service.httpd.server_close()
+    summary = service.queue_report(since, until)
+    deadline = time.monotonic() + 120
+    while service.store.queue_depth() and time.monotonic() < deadline:
+        service.delivery.deliver_due()
+        time.sleep(0.2)
+    left = service.store.queue_depth()
+    service.store.close()
+    print(json.dumps({"path": summary["path"], "episodes": summary["total"], "undelivered": left}))
+    return 1 if left else 0

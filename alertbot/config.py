@@ -1,0 +1,234 @@
+"""Configuration schema of the alert bot (loaded with `megatrace.config.load_config`, env prefix
+``MEGATRACE_ALERTBOT_``) and the checks a schema alone cannot express."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from pathlib import Path
+
+from megatrace.config import ConfigError, load_config
+from megatrace.logsetup import register_secret
+
+LEVELS = ("P0", "P1", "P2", "P3")
+ENV_PREFIX = "MEGATRACE_ALERTBOT_"
+
+
+@dataclasses.dataclass
+class AuthConfig:
+    """Webhook and silence endpoint authentication: a bearer token, HTTP basic auth, or both."""
+
+    bearer_token: str = ""
+    basic_user: str = ""
+    basic_password: str = ""
+
+
+@dataclasses.dataclass
+class AlertmanagerConfig:
+    """Where Alertmanager's API v2 is (reconciliation and silences); empty url disables both."""
+
+    url: str = ""
+    receiver: str = ""
+    reconcile_interval_s: float = 60.0
+    resolve_grace_s: float = 300.0
+    timeout_s: float = 10.0
+
+
+@dataclasses.dataclass
+class StoreConfig:
+    path: str = "alertbot.db"
+    retention_days: int = 90
+    synchronous: str = "FULL"
+
+
+@dataclasses.dataclass
+class DedupeConfig:
+    repeat_interval_s: float = 4 * 3600.0
+    flap_window_s: float = 3600.0
+    flap_threshold: int = 4
+    flap_hold_s: float = 300.0
+    storm_window_s: float = 120.0
+    storm_threshold: int = 5
+    storm_hold_s: float = 10.0
+
+
+@dataclasses.dataclass
+class GradingConfig:
+    policy_file: str = ""
+    default_level: str = "P2"
+    escalate_after: int = 3
+    escalate_window_s: float = 86400.0
+
+
+@dataclasses.dataclass
+class GroupBotConfig:
+    """One Feishu custom group bot; `chat_id` (optional) lets the app confirm in-doubt posts after a crash."""
+
+    webhook: str
+    secret: str = ""
+    chat_id: str = ""
+
+
+@dataclasses.dataclass
+class FeishuAppConfig:
+    app_id: str = ""
+    app_secret: str = ""
+    chats: dict[str, str] = field(default_factory=dict)
+    phone_levels: list[str] = field(default_factory=lambda: ["P0"])
+    oncall: list[str] = field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SheetConfig:
+    spreadsheet_token: str = ""
+    sheet_id: str = ""
+    flush_interval_s: float = 10.0
+    batch_size: int = 500
+
+
+@dataclasses.dataclass
+class FeishuConfig:
+    base_url: str = "https://open.feishu.cn"
+    group_bots: dict[str, GroupBotConfig] = field(default_factory=dict)
+    app: FeishuAppConfig = field(default_factory=FeishuAppConfig)
+    sheet: SheetConfig = field(default_factory=SheetConfig)
+    timeout_s: float = 10.0
+
+
+@dataclasses.dataclass
+class DeliveryConfig:
+    max_attempts: int = 8
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
+    bot_per_second: float = 5.0
+    bot_per_minute: float = 100.0
+    app_per_second: float = 50.0
+    app_per_minute: float = 1000.0
+    chat_per_second: float = 5.0
+    report_only_levels: list[str] = field(default_factory=lambda: ["P3"])
+    console_path: str = "-"
+
+
+@dataclasses.dataclass
+class LinksConfig:
+    grafana_url: str = ""
+    prometheus_url: str = ""
+    alertmanager_url: str = ""
+
+
+@dataclasses.dataclass
+class DrilldownConfig:
+    alerts: list[str] = field(
+        default_factory=lambda: ["MegatraceRankHang", "MegatraceJobStalled", "MegatraceSlowRank"]
+    )
+    trace_roots: list[str] = field(default_factory=list)
+    analyzer_command: list[str] = field(default_factory=list)
+    timeout_s: float = 120.0
+    prometheus_url: str = ""
+    hint_lookback_s: float = 900.0
+    rerun_after_s: float = 600.0
+    workers: int = 2
+
+
+@dataclasses.dataclass
+class ReportConfig:
+    directory: str = "reports"
+    cron: str = "0 9 * * 1"
+    timezone: str = "UTC"
+    chat: str = ""
+    top_n: int = 10
+
+
+@dataclasses.dataclass
+class AlertbotConfig:
+    listen: str = "127.0.0.1:9451"
+    max_body_bytes: int = 8 * 1024 * 1024
+    templates_dir: str = ""
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    alertmanager: AlertmanagerConfig = field(default_factory=AlertmanagerConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    dedupe: DedupeConfig = field(default_factory=DedupeConfig)
+    grading: GradingConfig = field(default_factory=GradingConfig)
+    feishu: FeishuConfig = field(default_factory=FeishuConfig)
+    delivery: DeliveryConfig = field(default_factory=DeliveryConfig)
+    links: LinksConfig = field(default_factory=LinksConfig)
+    drilldown: DrilldownConfig = field(default_factory=DrilldownConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
+
+
+def feishu_configured(cfg: AlertbotConfig) -> bool:
+    """True when at least one Feishu destination (group bot or app) is configured."""
+    return bool(cfg.feishu.group_bots) or app_configured(cfg)
+
+
+def app_configured(cfg: AlertbotConfig) -> bool:
+    return bool(cfg.feishu.app.app_id and cfg.feishu.app.app_secret)
+
+
+def listen_address(listen: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (IPv6 hosts in brackets) into host and port."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"key 'listen': expected HOST:PORT, got {listen!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def check(cfg: AlertbotConfig, source: str) -> AlertbotConfig:
+    """Cross-field checks; raises ConfigError naming the key. Registers every secret for log masking."""
+    problems = []
+    auth = cfg.auth
+    if not auth.bearer_token and not (auth.basic_user and auth.basic_password):
+        problems.append("key 'auth': set auth.bearer_token or auth.basic_user + auth.basic_password")
+    listen_address(cfg.listen)
+    level_maps = {
+        "feishu.group_bots": cfg.feishu.group_bots,
+        "feishu.app.chats": cfg.feishu.app.chats,
+    }
+    for key, mapping in level_maps.items():
+        problems += [f"key '{key}.{k}': not a level (P0..P3)" for k in mapping if k not in LEVELS]
+    level_lists = {
+        "feishu.app.phone_levels": cfg.feishu.app.phone_levels,
+        "delivery.report_only_levels": cfg.delivery.report_only_levels,
+        "grading.default_level": [cfg.grading.default_level],
+    }
+    for key, values in level_lists.items():
+        problems += [f"key '{key}': {v!r} is not a level (P0..P3)" for v in values if v not in LEVELS]
+    if cfg.store.synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
+        problems.append("key 'store.synchronous': expected NORMAL, FULL or EXTRA")
+    if cfg.feishu.sheet.spreadsheet_token and not app_configured(cfg):
+        problems.append("key 'feishu.sheet': the sheet archive needs feishu.app.app_id and app_secret")
+    if cfg.feishu.app.oncall and not app_configured(cfg):
+        problems.append("key 'feishu.app.oncall': phoning needs feishu.app.app_id and app_secret")
+    if cfg.feishu.app.oncall:
+        problems += [
+            f"key 'feishu.app.chats': phone level {level} needs an app chat to send the message first"
+            for level in cfg.feishu.app.phone_levels
+            if level not in cfg.feishu.app.chats and level not in cfg.delivery.report_only_levels
+        ]
+    if cfg.report.chat and not app_configured(cfg):
+        problems.append("key 'report.chat': sending the workbook needs feishu.app.app_id and app_secret")
+    if not 1 <= cfg.feishu.sheet.batch_size <= 5000:
+        problems.append("key 'feishu.sheet.batch_size': must be between 1 and 5000")
+    for root in cfg.drilldown.trace_roots:
+        if not Path(root).is_absolute():
+            problems.append(f"key 'drilldown.trace_roots': {root!r} is not an absolute path")
+    if cfg.templates_dir and not Path(cfg.templates_dir).is_dir():
+        problems.append(f"key 'templates_dir': {cfg.templates_dir!r} is not a directory")
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems))
+    for secret in (
+        auth.bearer_token,
+        auth.basic_password,
+        cfg.feishu.app.app_secret,
+        *(bot.secret for bot in cfg.feishu.group_bots.values()),
+        *(bot.webhook for bot in cfg.feishu.group_bots.values()),
+        *(bot.webhook.rsplit("/", 1)[-1] for bot in cfg.feishu.group_bots.values()),
+    ):
+        register_secret(secret)
+    return cfg
+
+
+def load(path: str | Path | None, overrides: dict | None = None) -> AlertbotConfig:
+    """Load and check the alert bot configuration (file, then environment, then `overrides`)."""
+    cfg = load_config(AlertbotConfig, path, env_prefix=ENV_PREFIX, overrides=overrides)
+    return check(cfg, str(path) if path else "configuration")

@@ -1,0 +1,204 @@
+"""Drill-down for hang and slow-rank alerts: run the analyzer on the job's trace directory (found
+under configured roots only) and ask Prometheus about the suspect's node; the verdict is sent as a
+follow-up message, so the alert itself is never delayed by it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.config import DrilldownConfig
+from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,199}")
+HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+IB_COUNTERS = (
+    "link_downed_total",
+    "link_error_recovery_total",
+    "port_errors_received_total",
+    "port_discards_received_total",
+)
+
+
+def resolve_trace_dir(roots: list[str], job: str) -> Path | None:
+    """`<root>/<job>` for the first root holding it, only if it stays inside that root (a job label
+    with separators or dots-only, or a symlink leading out of the root, is refused)."""
+    if not JOB_NAME.fullmatch(job) or job in (".", ".."):
+        return None
+    for root in roots:
+        base = Path(root).resolve()
+        candidate = base / job
+        if not candidate.is_dir():
+            continue
+        resolved = candidate.resolve()
+        if resolved.parent == base or (resolved.is_relative_to(base) and resolved != base):
+            return resolved
+        log.warning("trace directory for job %r leaves the root %s; refused", job, base)
+    return None
+
+
+def analyzer_argv(command: list[str], directory: Path) -> list[str]:
+    base = command or [sys.executable, "-m", "megatrace.cli", "analyze"]
+    return [*base, str(directory), "--format", "json", "--quiet"]
+
+
+def run_analyzer(command: list[str], directory: Path, timeout: float) -> dict[str, Any]:
+    """The analyzer's JSON report for `directory`, or ``{"error": ...}``."""
+    try:
+        done = subprocess.run(
+            analyzer_argv(command, directory), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"the analyzer took longer than {timeout:.0f}s"}
+    except OSError as exc:
+        return {"error": f"cannot run the analyzer: {exc.strerror or exc}"}
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"analyzer exit {done.returncode}: {tail[0][:300]}"}
+    if (
+        not isinstance(report, dict)
+        or "verdict" not in report
+        or not isinstance(report.get("suspects"), list)
+    ):
+        return {"error": "the analyzer's report has no verdict/suspects"}
+    return report
+
+
+def _promql_host(host: str) -> str:
+    return re.escape(host).replace("\\", "\\\\")
+
+
+def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10.0) -> list[str]:
+    """GPU clock events, XID errors and IB error counters on `host` in the last `lookback_s`."""
+    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+
+    if not url or not HOST_NAME.fullmatch(host):
+        return []
+    window = f"{max(60, int(lookback_s))}s"
+    minutes = f"{max(1, int(lookback_s // 60))} min"
+    where = f'instance=~"{_promql_host(host)}(:[0-9]+)?"'
+    queries = [
+        (
+            f"max_over_time(megatrace_gpu_clock_event_active{{{where}}}[{window}]) > 0",
+            lambda m, v: f"GPU {m.get('gpu', '?')}: clock event {m.get('reason', '?')} in the last {minutes}",
+        ),
+        (
+            f"increase(megatrace_gpu_xid_errors_total{{{where}}}[{window}]) > 0",
+            lambda m, v: (
+                f"GPU {m.get('gpu', '?')}: {v:.0f} XID {m.get('xid', '?')} error(s) in the last {minutes}"
+            ),
+        ),
+    ] + [
+        (
+            f"increase(megatrace_infiniband_{counter}{{{where}}}[{window}]) > 0",
+            lambda m, v, c=counter: (
+                f"{m.get('device', '?')} port {m.get('port', '?')}: {c} +{v:.0f} in the last {minutes}"
+            ),
+        )
+        for counter in IB_COUNTERS
+    ]
+    hints = []
+    try:
+        prom = PrometheusConnect(url=url, disable_ssl=True)
+        for query, describe in queries:
+            for sample in prom.custom_query(query, params={"timeout": f"{int(timeout)}s"}):
+                hints.append(describe(sample.get("metric", {}), float(sample["value"][1])))
+    except (PrometheusApiClientException, OSError, ValueError, KeyError) as exc:
+        hints.append(f"Prometheus could not be asked about {host}: {type(exc).__name__}")
+    return hints
+
+
+class DrilldownRunner:
+    """Runs stored drill-down requests in worker threads and queues their follow-up messages."""
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        renderer: CardRenderer,
+        cfg: DrilldownConfig,
+        metrics: BotMetrics,
+        wake: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.wake = wake
+        self.pipeline = pipeline
+        self.store = pipeline.store
+        self.renderer = renderer
+        self.cfg = cfg
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=max(1, cfg.workers), thread_name_prefix="drilldown")
+        self._running: set[int] = set()
+        self._lock = threading.Lock()
+
+    def submit_pending(self) -> None:
+        for row in self.store.pending_drilldowns():
+            with self._lock:
+                if row["id"] in self._running:
+                    continue
+                self._running.add(row["id"])
+            self.store.set_drilldown(row["id"], state="running")
+            self.executor.submit(self.run, row["id"])
+
+    def investigate(self, job: str) -> dict[str, Any]:
+        directory = resolve_trace_dir(self.cfg.trace_roots, job)
+        if directory is None:
+            return {"error": f"no trace directory for job {job!r} under the configured trace roots"}
+        report = run_analyzer(self.cfg.analyzer_command, directory, self.cfg.timeout_s)
+        hosts = {
+            s.get("host") for s in report.get("suspects", [])[:2] if isinstance(s, dict) and s.get("host")
+        }
+        hints = []
+        for host in sorted(hosts):
+            hints += prometheus_hints(self.cfg.prometheus_url, str(host), self.cfg.hint_lookback_s)
+        return report | {"hints": hints}
+
+    def run(self, drilldown_id: int) -> None:
+        try:
+            row = self.store.drilldown(drilldown_id)
+            result = self.investigate(row["job"])
+            self.metrics.drilldowns.labels("error" if "error" in result else "done").inc()
+            episode = self.store.episode(row["episode_id"])
+            ref_key = f"d{drilldown_id}"
+            with self.store.transaction():
+                self.store.set_drilldown(
+                    drilldown_id, state="done", result=json.dumps(result), finished_at=time.time()
+                )
+                if episode is not None:
+                    card = self.renderer.drilldown_card(
+                        row["job"], row["alertname"], episode["level"], result, ref_key
+                    )
+                    payload = json.dumps({"msg_type": "interactive", "card": card}, ensure_ascii=False)
+                    self.pipeline.enqueue(
+                        "drilldown",
+                        ref_key,
+                        episode["level"],
+                        time.time(),
+                        episode_id=episode["id"],
+                        drilldown_id=drilldown_id,
+                        payload=payload,
+                    )
+        except Exception:
+            log.exception("drill-down %s failed", drilldown_id)
+            self.metrics.drilldowns.labels("crashed").inc()
+            self.store.set_drilldown(drilldown_id, state="failed", finished_at=time.time())
+        finally:
+            with self._lock:
+                self._running.discard(drilldown_id)
+            self.wake()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,248 @@
+"""From stored webhooks to queued notifications: dedupe → grade → route, one transaction per webhook.
+
+Episodes are keyed by (fingerprint, startsAt). Duplicates (Alertmanager HA) are counted, not sent;
+repeats follow the repeat interval; recurrences are counted; flapping alerts are held back; many new
+episodes of one kind within the storm window collapse into one summary notification.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from typing import Any
+
+from megatrace.alertbot.config import AlertbotConfig, app_configured
+from megatrace.alertbot.grading import PolicyRule, grade
+from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_webhook
+from megatrace.alertbot.store import Store
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_COLUMNS = (
+    "time",
+    "level",
+    "alert",
+    "event",
+    "job",
+    "instance",
+    "summary",
+    "started",
+    "ended",
+    "recurrence",
+    "fingerprint",
+    "episode",
+)
+
+
+def idempotency_key(kind: str, ref: str, channel: str, destination: str) -> str:
+    """Stable key (≤ 50 chars) for one notification to one destination; doubles as Feishu's `uuid`."""
+    digest = hashlib.sha256(f"{kind}|{ref}|{channel}|{destination}".encode()).hexdigest()
+    return f"mt-{digest[:40]}"
+
+
+def destinations(cfg: AlertbotConfig, level: str) -> list[tuple[str, str]]:
+    """Channels for a level: its group bot, its app chat, or the console when neither exists."""
+    if level in cfg.delivery.report_only_levels:
+        return []
+    found = []
+    if level in cfg.feishu.group_bots:
+        found.append(("bot", level))
+    if app_configured(cfg) and level in cfg.feishu.app.chats:
+        found.append(("app", cfg.feishu.app.chats[level]))
+    return found or [("console", level)]
+
+
+@dataclasses.dataclass
+class Pipeline:
+    store: Store
+    cfg: AlertbotConfig
+    policy: list[PolicyRule]
+    metrics: BotMetrics
+
+    def enqueue(
+        self, kind: str, ref: str, level: str, now: float, not_before: float | None = None, **link: Any
+    ) -> int:
+        """Queue notification `kind` for every destination of `level`; returns how many were queued."""
+        queued = 0
+        for channel, destination in destinations(self.cfg, level):
+            row = {
+                "kind": kind,
+                "channel": channel,
+                "destination": destination,
+                "level": level,
+                "idem_key": idempotency_key(kind, ref, channel, destination),
+                "created_at": now,
+                "not_before": now if not_before is None else not_before,
+                **link,
+            }
+            queued += self.store.enqueue(row) is not None
+        return queued
+
+    def archive(self, episode: dict[str, Any], event: str, now: float) -> None:
+        if not self.cfg.feishu.sheet.spreadsheet_token:
+            return
+        labels = json.loads(episode["labels"])
+        annotations = json.loads(episode["annotations"])
+        row = [
+            format_time(now).replace("T", " ")[:19],
+            episode["level"],
+            episode["alertname"],
+            event,
+            labels.get("job", ""),
+            labels.get("instance", labels.get("node", "")),
+            annotations.get("summary", ""),
+            format_time(episode["starts_at"]),
+            format_time(episode["ends_at"]) if episode["ends_at"] else "",
+            episode["recurrence"],
+            episode["fingerprint"],
+            episode["id"],
+        ]
+        self.store.add_archive(episode["id"], event, row, now)
+
+    # -- one alert ------------------------------------------------------------------------------
+
+    def _new_episode(self, alert: Alert, external_url: str, now: float) -> dict[str, Any]:
+        d, g = self.cfg.dedupe, self.cfg.grading
+        recurrence = self.store.count_all_episodes(alert.fingerprint)
+        recent = self.store.count_episodes(alert.fingerprint, now - g.escalate_window_s) + 1
+        graded = grade(alert.labels, self.policy, g, recent)
+        flapping = self.store.count_episodes(alert.fingerprint, now - d.flap_window_s) + 1 >= d.flap_threshold
+        fields = {
+            "fingerprint": alert.fingerprint,
+            "starts_at": alert.starts_at,
+            "alertname": alert.name,
+            "labels": json.dumps(alert.labels, sort_keys=True),
+            "annotations": json.dumps(alert.annotations, sort_keys=True),
+            "generator_url": alert.generator_url,
+            "external_url": external_url,
+            "status": alert.status,
+            "severity": alert.labels.get("severity", ""),
+            "level": graded.level,
+            "escalated": int(graded.escalated),
+            "recurrence": recurrence,
+            "recent": recent,
+            "flapping": int(flapping),
+            "first_seen": now,
+            "last_seen": now,
+            "ends_at": alert.ends_at if alert.status == "resolved" else None,
+        }
+        fields["id"] = self.store.insert_episode(fields)
+        self.metrics.episodes.labels(graded.level).inc()
+        return fields
+
+    def _storm_for(self, episode: dict[str, Any], now: float) -> int | None:
+        """The storm this new firing episode joins, or None when it is notified on its own."""
+        d = self.cfg.dedupe
+        if d.storm_threshold <= 0 or not destinations(self.cfg, episode["level"]):
+            return None
+        others = self.store.count_new_of_kind(episode["alertname"], episode["level"], now - d.storm_window_s)
+        if others - 1 < d.storm_threshold:
+            return None
+        storm = self.store.open_storm(episode["alertname"], episode["level"])
+        if storm is not None:
+            return int(storm["id"])
+        storm_id = self.store.create_storm(episode["alertname"], episode["level"], now)
+        self.enqueue("storm", f"s{storm_id}", episode["level"], now, now + d.storm_hold_s, storm_id=storm_id)
+        self.metrics.storms.inc()
+        log.warning(
+            "alert storm: %s at %s, collapsing into one summary", episode["alertname"], episode["level"]
+        )
+        return storm_id
+
+    def _firing(self, alert: Alert, external_url: str, now: float) -> None:
+        existing = self.store.find_episode(alert.fingerprint, alert.starts_at)
+        if existing is not None:
+            self.store.update_episode(existing["id"], last_seen=now, duplicates=existing["duplicates"] + 1)
+            self.metrics.deduplicated.inc()
+            last = existing["last_notified"]
+            if (
+                existing["status"] == "firing"
+                and last is not None
+                and existing["storm_id"] is None
+                and now - last >= self.cfg.dedupe.repeat_interval_s
+            ):
+                self.store.update_episode(existing["id"], last_notified=now)
+                self.enqueue(
+                    "repeat",
+                    f"{existing['id']}@{int(now)}",
+                    existing["level"],
+                    now,
+                    episode_id=existing["id"],
+                )
+            return
+        episode = self._new_episode(alert, external_url, now)
+        self.archive(episode, "firing", now)
+        storm_id = self._storm_for(episode, now)
+        if storm_id is not None:
+            self.store.update_episode(episode["id"], storm_id=storm_id, last_notified=now)
+        else:
+            hold = self.cfg.dedupe.flap_hold_s if episode["flapping"] else 0.0
+            if self.enqueue(
+                "firing", str(episode["id"]), episode["level"], now, now + hold, episode_id=episode["id"]
+            ):
+                self.store.update_episode(episode["id"], last_notified=now)
+        self._request_drilldown(episode, now)
+
+    def _resolved(self, alert: Alert, external_url: str, now: float) -> None:
+        existing = self.store.find_episode(alert.fingerprint, alert.starts_at)
+        if existing is None:  # the firing webhook was lost or arrives later: report the whole episode
+            episode = self._new_episode(alert, external_url, now)
+            self.archive(episode, "resolved", now)
+            if not episode["flapping"]:
+                self.enqueue("resolved", str(episode["id"]), episode["level"], now, episode_id=episode["id"])
+            return
+        if existing["status"] == "resolved":
+            self.store.update_episode(existing["id"], last_seen=now, duplicates=existing["duplicates"] + 1)
+            self.metrics.deduplicated.inc()
+            return
+        self.store.update_episode(existing["id"], status="resolved", ends_at=alert.ends_at, last_seen=now)
+        episode = dict(existing) | {"status": "resolved", "ends_at": alert.ends_at}
+        self.archive(episode, "resolved", now)
+        held = []
+        if existing["flapping"]:  # a held-back flapping alert that resolved in time is never sent
+            pending = self.store.outbox_for(episode_id=existing["id"], kind="firing")
+            held = [row for row in pending if row["state"] == "pending"]
+        for row in held:
+            self.store.set_outbox(row["id"], state="suppressed", last_error="resolved before it was sent")
+            self.metrics.suppressed.inc()
+        if existing["storm_id"] is None and existing["last_notified"] is not None and not held:
+            self.enqueue("resolved", str(existing["id"]), existing["level"], now, episode_id=existing["id"])
+
+    def _request_drilldown(self, episode: dict[str, Any], now: float) -> None:
+        dd = self.cfg.drilldown
+        job = json.loads(episode["labels"]).get("job", "")
+        if episode["alertname"] not in dd.alerts or not dd.trace_roots or not job:
+            return
+        if self.store.recent_drilldown(job, now - dd.rerun_after_s) is None:
+            self.store.add_drilldown(job, episode["alertname"], episode["id"], now)
+
+    # -- webhooks -------------------------------------------------------------------------------
+
+    def ingest(self, alerts: list[Alert], external_url: str, now: float) -> None:
+        """Apply a batch of alerts (one webhook or one reconciliation) in one transaction."""
+        with self.store.transaction():
+            for alert in alerts:
+                self.metrics.received.inc()
+                if alert.status == "firing":
+                    self._firing(alert, external_url, now)
+                else:
+                    self._resolved(alert, external_url, now)
+
+    def process_inbox(self, now: float) -> int:
+        """Process every stored, unprocessed webhook; returns how many were processed."""
+        done = 0
+        while rows := self.store.unprocessed_inbox():
+            for row in rows:
+                try:
+                    webhook = parse_webhook(row["body"])
+                except PayloadError as exc:  # stored bodies were validated; this only guards old rows
+                    self.store.mark_inbox(row["id"], now, str(exc))
+                    continue
+                with self.store.transaction():
+                    self.ingest(webhook.alerts, webhook.external_url, now)
+                    self.store.mark_inbox(row["id"], now)
+                done += 1
+        return done

@@ -1,0 +1,168 @@
+"""The weekly report: an .xlsx workbook (openpyxl) of the alert episodes in a period — a Summary
+sheet (episodes by day and level with a chart, top recurring alerts, top nodes, time to resolve) and
+a Detail sheet with one row per episode — plus the figures for the summary card."""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+from datetime import date, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from openpyxl import Workbook
+from openpyxl.chart import BarChart, Reference
+from openpyxl.styles import Font
+
+from megatrace.alertbot.config import LEVELS
+from megatrace.alertbot.store import Store
+
+DETAIL_COLUMNS = (
+    "Episode",
+    "Alert",
+    "Level",
+    "Severity label",
+    "Status",
+    "Started",
+    "Ended",
+    "Minutes to resolve",
+    "Job",
+    "Node",
+    "Summary",
+    "Recurrence",
+    "Escalated",
+    "Flapping",
+    "Duplicates",
+    "Fingerprint",
+)
+
+
+def node_of(labels: dict[str, str]) -> str:
+    """The node an alert is about: `node`, `hostname` or the host part of `instance`."""
+    for key in ("node", "hostname"):
+        if labels.get(key):
+            return labels[key]
+    instance = labels.get("instance", "")
+    return instance.rsplit(":", 1)[0] if instance.count(":") == 1 else instance
+
+
+def _minutes(row: Any) -> float | None:
+    return None if row["ends_at"] is None else round((row["ends_at"] - row["starts_at"]) / 60, 1)
+
+
+def _local(epoch: float | None, zone: ZoneInfo) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, zone).replace(tzinfo=None, microsecond=0)
+
+
+def _bold_row(sheet: Any, values: list[Any]) -> None:
+    sheet.append(values)
+    for cell in sheet[sheet.max_row]:
+        cell.font = Font(bold=True)
+
+
+def build_report(
+    store: Store, since: float, until: float, path: Path, top_n: int = 10, timezone: str = "UTC"
+) -> dict[str, Any]:
+    """Write the workbook for episodes starting in [since, until) to `path`; returns its summary."""
+    zone = ZoneInfo(timezone)
+    rows = store.episodes_between(since, until)
+    labels = [json.loads(r["labels"]) for r in rows]
+    first_day = datetime.fromtimestamp(since, zone).date()
+    last_day = datetime.fromtimestamp(max(since, until - 1), zone).date()
+    days = [first_day + timedelta(days=i) for i in range((last_day - first_day).days + 1)]
+    by_day: dict[date, collections.Counter[str]] = {day: collections.Counter() for day in days}
+    for row in rows:
+        by_day[datetime.fromtimestamp(row["starts_at"], zone).date()][row["level"]] += 1
+    by_level = collections.Counter(r["level"] for r in rows)
+    top_alerts = collections.Counter(r["alertname"] for r in rows).most_common(top_n)
+    top_nodes = collections.Counter(n for n in map(node_of, labels) if n).most_common(top_n)
+
+    book = Workbook()
+    summary = book.active
+    summary.title = "Summary"
+    summary.append(["Megatrace alert report"])
+    summary["A1"].font = Font(bold=True, size=14)
+    summary.append(["From", _local(since, zone), "Until", _local(until, zone), "Time zone", timezone])
+    summary.append([])
+    _bold_row(summary, ["Day", *LEVELS, "Total"])
+    table_top = summary.max_row
+    for day in days:
+        counts = by_day[day]
+        summary.append([day.isoformat(), *(counts[level] for level in LEVELS), sum(counts.values())])
+    _bold_row(summary, ["Total", *(by_level[level] for level in LEVELS), len(rows)])
+    table_bottom = summary.max_row - 1
+
+    summary.append([])
+    _bold_row(summary, ["Top recurring alerts", "Episodes"])
+    for name, count in top_alerts:
+        summary.append([name, count])
+    summary.append([])
+    _bold_row(summary, ["Top nodes", "Episodes"])
+    for name, count in top_nodes:
+        summary.append([name, count])
+    summary.append([])
+    _bold_row(
+        summary, ["Time to resolve", "Resolved", "Median minutes", "90th percentile minutes", "Unresolved"]
+    )
+    medians = {}
+    for level in LEVELS:
+        durations = sorted(m for r in rows if r["level"] == level and (m := _minutes(r)) is not None)
+        unresolved = sum(1 for r in rows if r["level"] == level and r["ends_at"] is None)
+        median = round(statistics.median(durations), 1) if durations else None
+        p90 = durations[min(len(durations) - 1, int(0.9 * len(durations)))] if durations else None
+        medians[level] = median
+        summary.append([level, len(durations), median, p90, unresolved])
+
+    chart = BarChart()
+    chart.type = "col"
+    chart.grouping = "stacked"
+    chart.overlap = 100
+    chart.title = "Alert episodes per day"
+    chart.y_axis.title = "episodes"
+    data = Reference(summary, min_col=2, max_col=1 + len(LEVELS), min_row=table_top, max_row=table_bottom)
+    chart.add_data(data, titles_from_data=True)
+    chart.set_categories(Reference(summary, min_col=1, min_row=table_top + 1, max_row=table_bottom))
+    summary.add_chart(chart, "H4")
+    summary.column_dimensions["A"].width = 28
+
+    detail = book.create_sheet("Detail")
+    _bold_row(detail, list(DETAIL_COLUMNS))
+    for row, lab in zip(rows, labels, strict=True):
+        annotations = json.loads(row["annotations"])
+        detail.append(
+            [
+                row["id"],
+                row["alertname"],
+                row["level"],
+                row["severity"],
+                row["status"],
+                _local(row["starts_at"], zone),
+                _local(row["ends_at"], zone),
+                _minutes(row),
+                lab.get("job", ""),
+                node_of(lab),
+                annotations.get("summary", ""),
+                row["recurrence"],
+                "yes" if row["escalated"] else "",
+                "yes" if row["flapping"] else "",
+                row["duplicates"],
+                row["fingerprint"],
+            ]
+        )
+    detail.freeze_panes = "A2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    book.save(path)
+    all_durations = [m for r in rows if (m := _minutes(r)) is not None]
+    return {
+        "title": f"Megatrace weekly alert report {first_day.isoformat()} – {last_day.isoformat()}",
+        "since": first_day.isoformat(),
+        "until": last_day.isoformat(),
+        "total": len(rows),
+        "by_level": [(level, by_level[level]) for level in LEVELS],
+        "top": top_alerts[:5],
+        "mttr": f"{statistics.median(all_durations):.1f} min" if all_durations else "",
+        "file_name": path.name,
+        "path": str(path),
+    }

@@ -1,0 +1,191 @@
+"""The bot's HTTP endpoints: ``POST /alertmanager`` (webhook intake), ``POST /silence``,
+``GET /healthz`` and ``GET /metrics``.
+
+The webhook answers 200 only after the validated body is committed to the store; everything else
+(dedupe, delivery) happens afterwards in the service's worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import re
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from megatrace.alertbot.alertmanager import AlertmanagerError, create_silence
+from megatrace.alertbot.config import AuthConfig, listen_address
+from megatrace.alertbot.payload import PayloadError, parse_webhook
+
+if TYPE_CHECKING:
+    from megatrace.alertbot.service import Service
+
+log = logging.getLogger(__name__)
+
+DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_SILENCE_S = 30 * 86400
+
+
+def authorized(header: str | None, auth: AuthConfig) -> bool:
+    """Constant-time check of a Bearer token or Basic credentials against the configuration."""
+    if not header:
+        return False
+    scheme, _, value = header.partition(" ")
+    value = value.strip()
+    if scheme.lower() == "bearer" and auth.bearer_token:
+        return hmac.compare_digest(value.encode(), auth.bearer_token.encode())
+    if scheme.lower() == "basic" and auth.basic_user:
+        try:
+            user, _, password = base64.b64decode(value, validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        same_user = hmac.compare_digest(user.encode(), auth.basic_user.encode())
+        same_password = hmac.compare_digest(password.encode(), auth.basic_password.encode())
+        return same_user and same_password
+    return False
+
+
+def parse_duration(value: Any) -> float:
+    """``90``, ``"90s"``, ``"15m"``, ``"2h"``, ``"1d"`` → seconds (0 < d ≤ 30 days)."""
+    match = DURATION.match(str(value).strip())
+    if match is None:
+        raise ValueError(f"duration: expected e.g. 30m, 2h or 1d, got {value!r}")
+    seconds = float(match.group(1)) * UNITS[match.group(2)]
+    if not 0 < seconds <= MAX_SILENCE_S:
+        raise ValueError("duration: must be more than 0 and at most 30d")
+    return seconds
+
+
+def silence_request(body: bytes) -> tuple[dict[str, str], float, str, str]:
+    """Validate a silence request: {matchers: {label: value}, duration, comment?, createdBy?}."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("body: expected a JSON object")
+    matchers = data.get("matchers")
+    if not isinstance(matchers, dict) or not matchers:
+        raise ValueError("matchers: expected a non-empty object of label: value")
+    if not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in matchers.items()):
+        raise ValueError("matchers: every label name and value must be a non-empty string")
+    duration = parse_duration(data.get("duration", ""))
+    comment = data.get("comment") or "silenced from the megatrace alert bot"
+    created_by = data.get("createdBy") or "megatrace-alertbot"
+    if not isinstance(comment, str) or not isinstance(created_by, str):
+        raise ValueError("comment and createdBy must be strings")
+    return matchers, duration, comment[:500], created_by[:100]
+
+
+def make_server(service: Service) -> ThreadingHTTPServer:
+    """An HTTP server bound to the configured listen address, serving `service`."""
+
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "megatrace-alertbot"
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("%s %s", self.address_string(), fmt % args)
+
+        def reply(self, status: int, payload: Any, content_type: str = "application/json") -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="megatrace", Basic realm="megatrace"')
+            self.end_headers()
+            self.wfile.write(data)
+
+        def read_body(self) -> bytes | None:
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                self.reply(411, {"error": "Content-Length header required"})
+                return None
+            if length < 0 or length > service.cfg.max_body_bytes:
+                self.close_connection = True
+                self.reply(413, {"error": f"body larger than {service.cfg.max_body_bytes} bytes"})
+                return None
+            return self.rfile.read(length)
+
+        def authenticate(self) -> bool:
+            if authorized(self.headers.get("Authorization"), service.cfg.auth):
+                return True
+            service.metrics.webhooks.labels("unauthorized").inc()
+            self.reply(401, {"error": "missing or wrong credentials"})
+            return False
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                status, body = service.health()
+                self.reply(status, body)
+            elif path == "/metrics":
+                self.reply(200, service.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
+            else:
+                self.reply(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path not in ("/alertmanager", "/silence"):
+                self.reply(404, {"error": "not found"})
+                return
+            if not self.authenticate():
+                return
+            body = self.read_body()
+            if body is None:
+                return
+            if path == "/alertmanager":
+                self.webhook(body)
+            else:
+                self.silence(body)
+
+        def webhook(self, body: bytes) -> None:
+            try:
+                webhook = parse_webhook(body)
+            except PayloadError as exc:
+                service.metrics.webhooks.labels("rejected").inc()
+                log.warning("rejected webhook from %s: %s", self.address_string(), exc)
+                self.reply(400, {"error": str(exc)})
+                return
+            try:
+                service.store.add_inbox("webhook", body.decode(), time.time())
+            except Exception:
+                log.exception("cannot store webhook")
+                service.metrics.webhooks.labels("store_failed").inc()
+                self.reply(503, {"error": "cannot store the alert now; retry"})
+                return
+            service.metrics.webhooks.labels("accepted").inc()
+            service.wake()
+            self.reply(200, {"status": "stored", "alerts": len(webhook.alerts)})
+
+        def silence(self, body: bytes) -> None:
+            if not service.cfg.alertmanager.url:
+                self.reply(503, {"error": "alertmanager.url is not configured"})
+                return
+            try:
+                matchers, duration, comment, created_by = silence_request(body)
+            except ValueError as exc:
+                self.reply(400, {"error": str(exc)})
+                return
+            now = time.time()
+            try:
+                silence_id = create_silence(
+                    service.cfg.alertmanager, matchers, now, now + duration, created_by, comment
+                )
+            except AlertmanagerError as exc:
+                self.reply(502, {"error": str(exc)})
+                return
+            log.info("silence %s created for %s for %.0fs by %s", silence_id, matchers, duration, created_by)
+            self.reply(200, {"silenceID": silence_id})
+
+    host, port = listen_address(service.cfg.listen)
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server

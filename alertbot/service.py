@@ -1,0 +1,217 @@
+"""The running bot: HTTP server, the worker loop (stored webhooks → outbox → delivery), drill-down
+workers and the APScheduler jobs (reconciliation, sheet archive, retention, weekly report)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.cron import CronTrigger
+
+from megatrace.alertbot.alertmanager import AlertmanagerError, reconcile
+from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.config import AlertbotConfig, app_configured
+from megatrace.alertbot.delivery import ConsoleSink, Delivery
+from megatrace.alertbot.drilldown import DrilldownRunner
+from megatrace.alertbot.feishu import FeishuApp
+from megatrace.alertbot.grading import load_policy
+from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.pipeline import Pipeline, idempotency_key
+from megatrace.alertbot.report import build_report
+from megatrace.alertbot.server import make_server
+from megatrace.alertbot.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """Everything the bot runs, built from one configuration."""
+
+    def __init__(self, cfg: AlertbotConfig) -> None:
+        self.cfg = cfg
+        self.store = Store(cfg.store.path, cfg.store.synchronous)
+        self.metrics = BotMetrics(queue_depth=self.store.queue_depth)
+        policy = load_policy(cfg.grading.policy_file) if cfg.grading.policy_file else []
+        self.pipeline = Pipeline(self.store, cfg, policy, self.metrics)
+        self.renderer = CardRenderer(cfg.templates_dir, cfg.links, cfg.report.timezone)
+        app = cfg.feishu.app
+        self.app = (
+            FeishuApp(cfg.feishu.base_url, app.app_id, app.app_secret, cfg.feishu.timeout_s)
+            if app_configured(cfg)
+            else None
+        )
+        self.delivery = Delivery(
+            self.store, cfg, self.renderer, self.metrics, self.app, ConsoleSink(cfg.delivery.console_path)
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.drilldowns = DrilldownRunner(
+            self.pipeline, self.renderer, cfg.drilldown, self.metrics, self.wake
+        )
+        self.scheduler = BackgroundScheduler(timezone=cfg.report.timezone)
+        self.httpd = make_server(self)
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def port(self) -> int:
+        return int(self.httpd.server_address[1])
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        try:
+            depth = self.store.queue_depth()
+            dead = len(self.store.dead_letters())
+        except Exception as exc:
+            return 503, {"status": "store unavailable", "error": type(exc).__name__}
+        worker_alive = all(t.is_alive() for t in self._threads)
+        status = 200 if worker_alive else 503
+        return status, {"status": "ok" if worker_alive else "worker stopped", "queue": depth, "dead": dead}
+
+    # -- the worker -----------------------------------------------------------------------------
+
+    def work_once(self) -> None:
+        self.pipeline.process_inbox(time.time())
+        self.drilldowns.submit_pending()
+        self.delivery.deliver_due()
+
+    def _worker(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.work_once()
+            except Exception:
+                log.exception("worker iteration failed; retrying")
+            next_due = self.store.next_due()
+            timeout = 1.0 if next_due is None else min(1.0, max(0.0, next_due - time.time()))
+            self._wake.wait(timeout)
+            self._wake.clear()
+
+    # -- scheduled jobs -------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        try:
+            missed = reconcile(self.store, self.cfg.alertmanager, time.time())
+        except AlertmanagerError as exc:
+            log.warning("reconciliation failed: %s", exc)
+            return
+        if any(missed):
+            self.wake()
+
+    def retention(self) -> None:
+        counts = self.store.purge(time.time() - self.cfg.store.retention_days * 86400)
+        log.info("retention: deleted %s", counts)
+
+    def weekly_report(self) -> None:
+        zone = ZoneInfo(self.cfg.report.timezone)
+        until = datetime.now(zone).replace(hour=0, minute=0, second=0, microsecond=0)
+        self.queue_report(until - timedelta(days=7), until)
+
+    def queue_report(self, since: datetime, until: datetime) -> dict[str, Any]:
+        """Write the workbook for [since, until) and queue it (file + summary card) for delivery."""
+        name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
+        path = Path(self.cfg.report.directory) / name
+        summary = build_report(
+            self.store,
+            since.timestamp(),
+            until.timestamp(),
+            path,
+            self.cfg.report.top_n,
+            self.cfg.report.timezone,
+        )
+        card = self.renderer.report_card(summary)
+        now = time.time()
+        ref = f"{since.timestamp():.0f}-{until.timestamp():.0f}"
+        chat = self.cfg.report.chat
+        messages = (
+            [
+                ("report-file", "app", chat, {"msg_type": "file", "path": str(path)}),
+                ("report", "app", chat, {"msg_type": "interactive", "card": card}),
+            ]
+            if chat
+            else [
+                ("report", "console", "report", {"msg_type": "interactive", "card": card, "path": str(path)})
+            ]
+        )
+        for kind, channel, destination, payload in messages:
+            self.store.enqueue(
+                {
+                    "kind": kind,
+                    "channel": channel,
+                    "destination": destination,
+                    "level": "P3",
+                    "idem_key": idempotency_key(kind, ref, channel, destination),
+                    "created_at": now,
+                    "not_before": now,
+                    "payload": json.dumps(payload, ensure_ascii=False),
+                }
+            )
+        self.wake()
+        log.info("weekly report %s written (%d episodes)", path, summary["total"])
+        return summary
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        recovered = self.delivery.recover()
+        if recovered:
+            log.warning("recovered %d deliveries left in flight by the previous run", recovered)
+        for name, target in (("http", self.httpd.serve_forever), ("worker", self._worker)):
+            thread = threading.Thread(target=target, name=f"alertbot-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        cfg = self.cfg
+        if cfg.alertmanager.url:
+            self.scheduler.add_job(
+                self.reconcile,
+                "interval",
+                seconds=cfg.alertmanager.reconcile_interval_s,
+                max_instances=1,
+                next_run_time=datetime.now(ZoneInfo(cfg.report.timezone)),
+            )
+        if cfg.feishu.sheet.spreadsheet_token:
+            self.scheduler.add_job(
+                self.delivery.flush_archive,
+                "interval",
+                seconds=cfg.feishu.sheet.flush_interval_s,
+                max_instances=1,
+            )
+        self.scheduler.add_job(self.retention, "interval", hours=6, max_instances=1)
+        self.scheduler.add_job(
+            self.weekly_report,
+            CronTrigger.from_crontab(cfg.report.cron, timezone=cfg.report.timezone),
+            max_instances=1,
+        )
+        self.scheduler.start()
+        log.info("alert bot listening on %s:%d", *self.httpd.server_address[:2])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.scheduler.shutdown(wait=False)
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self.drilldowns.shutdown()
+        if self.cfg.feishu.sheet.spreadsheet_token:
+            self.delivery.flush_archive()
+        self.store.close()
+
+    def run_forever(self) -> None:
+        """Start, then block until SIGTERM or SIGINT; stops cleanly."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        stop.wait()
+        log.info("stopping")
+        self.stop()

@@ -1,0 +1,377 @@
+"""The bot's durable state in SQLite: received webhooks, alert episodes, the delivery outbox and its
+attempts, sheet rows to archive, drill-downs. WAL mode, numbered schema migrations, retention.
+
+All SQL of the bot lives here, so a server database can take SQLite's place for a multi-replica
+deployment by reimplementing this one module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE inbox (
+        id INTEGER PRIMARY KEY, received_at REAL NOT NULL, source TEXT NOT NULL, body TEXT NOT NULL,
+        processed_at REAL, error TEXT);
+    CREATE INDEX inbox_pending ON inbox(processed_at);
+    CREATE TABLE episodes (
+        id INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, starts_at REAL NOT NULL,
+        alertname TEXT NOT NULL, labels TEXT NOT NULL, annotations TEXT NOT NULL,
+        generator_url TEXT NOT NULL, external_url TEXT NOT NULL, status TEXT NOT NULL,
+        severity TEXT NOT NULL, level TEXT NOT NULL, escalated INTEGER NOT NULL DEFAULT 0,
+        recurrence INTEGER NOT NULL DEFAULT 0, recent INTEGER NOT NULL DEFAULT 0,
+        flapping INTEGER NOT NULL DEFAULT 0, storm_id INTEGER,
+        first_seen REAL NOT NULL, last_seen REAL NOT NULL, ends_at REAL, last_notified REAL,
+        duplicates INTEGER NOT NULL DEFAULT 0,
+        UNIQUE (fingerprint, starts_at));
+    CREATE INDEX episodes_fingerprint ON episodes(fingerprint, first_seen);
+    CREATE INDEX episodes_kind ON episodes(alertname, level, first_seen);
+    CREATE INDEX episodes_status ON episodes(status);
+    CREATE TABLE storms (
+        id INTEGER PRIMARY KEY, alertname TEXT NOT NULL, level TEXT NOT NULL,
+        opened_at REAL NOT NULL, sealed_at REAL);
+    CREATE TABLE outbox (
+        id INTEGER PRIMARY KEY, kind TEXT NOT NULL, episode_id INTEGER, storm_id INTEGER,
+        drilldown_id INTEGER, parent_id INTEGER, channel TEXT NOT NULL, destination TEXT NOT NULL,
+        level TEXT NOT NULL, state TEXT NOT NULL, idem_key TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL, not_before REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+        last_error TEXT, payload TEXT, message_id TEXT, sent_at REAL);
+    CREATE INDEX outbox_due ON outbox(state, not_before);
+    CREATE TABLE attempts (
+        id INTEGER PRIMARY KEY, outbox_id INTEGER NOT NULL, started_at REAL NOT NULL,
+        finished_at REAL, outcome TEXT, detail TEXT);
+    CREATE INDEX attempts_outbox ON attempts(outbox_id);
+    CREATE TABLE archive (
+        id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, event TEXT NOT NULL, row TEXT NOT NULL,
+        state TEXT NOT NULL, created_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+        last_error TEXT);
+    CREATE INDEX archive_state ON archive(state);
+    CREATE TABLE drilldowns (
+        id INTEGER PRIMARY KEY, job TEXT NOT NULL, alertname TEXT NOT NULL, episode_id INTEGER NOT NULL,
+        requested_at REAL NOT NULL, state TEXT NOT NULL, result TEXT, finished_at REAL);
+    CREATE INDEX drilldowns_job ON drilldowns(job, requested_at);
+    """,
+)
+
+OPEN_STATES = ("pending", "sending")
+
+
+class Store:
+    """One SQLite database shared by the bot's threads (a connection guarded by a re-entrant lock)."""
+
+    def __init__(self, path: str | Path, synchronous: str = "FULL") -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._depth = 0
+        self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.migrate()
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """Run the block atomically; nested blocks join the outermost transaction."""
+        with self._lock:
+            outer = self._depth == 0
+            if outer:
+                self.db.execute("BEGIN IMMEDIATE")
+            self._depth += 1
+            try:
+                yield self.db
+            except BaseException:
+                self._depth -= 1
+                if outer:
+                    self.db.execute("ROLLBACK")
+                raise
+            self._depth -= 1
+            if outer:
+                self.db.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self.db.execute(sql, params).fetchall()
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Row | None:
+        with self._lock:
+            return self.db.execute(sql, params).fetchone()
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        with self.transaction() as db:
+            return db.execute(sql, params)
+
+    # -- schema -------------------------------------------------------------------------------
+
+    def schema_version(self) -> int:
+        with self._lock:
+            self.db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = self.db.execute("SELECT MAX(version) FROM schema_version").fetchone()
+            return int(row[0] or 0)
+
+    def migrate(self) -> int:
+        """Apply the migrations this database has not seen yet; returns the resulting version."""
+        with self._lock:
+            current = self.schema_version()
+            if current > len(MIGRATIONS):
+                raise RuntimeError(
+                    f"{self.path}: schema version {current} is newer than this bot ({len(MIGRATIONS)})"
+                )
+            for version, script in enumerate(MIGRATIONS[current:], start=current + 1):
+                statements = [s.strip() for s in script.split(";") if s.strip()]
+                with self.transaction() as db:
+                    for statement in statements:
+                        db.execute(statement)
+                    db.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+            return len(MIGRATIONS)
+
+    def journal_mode(self) -> str:
+        return str(self.one("PRAGMA journal_mode")[0])
+
+    # -- inbox --------------------------------------------------------------------------------
+
+    def add_inbox(self, source: str, body: str, now: float) -> int:
+        with self.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO inbox (received_at, source, body) VALUES (?, ?, ?)", (now, source, body)
+            )
+            return int(cur.lastrowid)
+
+    def unprocessed_inbox(self, limit: int = 200) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM inbox WHERE processed_at IS NULL ORDER BY id LIMIT ?", (limit,))
+
+    def mark_inbox(self, inbox_id: int, now: float, error: str | None = None) -> None:
+        self.execute("UPDATE inbox SET processed_at = ?, error = ? WHERE id = ?", (now, error, inbox_id))
+
+    # -- episodes -----------------------------------------------------------------------------
+
+    def episode(self, episode_id: int) -> sqlite3.Row | None:
+        return self.one("SELECT * FROM episodes WHERE id = ?", (episode_id,))
+
+    def find_episode(self, fingerprint: str, starts_at: float) -> sqlite3.Row | None:
+        return self.one(
+            "SELECT * FROM episodes WHERE fingerprint = ? AND starts_at = ?", (fingerprint, starts_at)
+        )
+
+    def count_episodes(self, fingerprint: str, since: float) -> int:
+        row = self.one(
+            "SELECT COUNT(*) FROM episodes WHERE fingerprint = ? AND first_seen >= ?", (fingerprint, since)
+        )
+        return int(row[0])
+
+    def count_all_episodes(self, fingerprint: str) -> int:
+        return int(self.one("SELECT COUNT(*) FROM episodes WHERE fingerprint = ?", (fingerprint,))[0])
+
+    def count_new_of_kind(self, alertname: str, level: str, since: float) -> int:
+        row = self.one(
+            "SELECT COUNT(*) FROM episodes WHERE alertname = ? AND level = ? AND first_seen >= ?",
+            (alertname, level, since),
+        )
+        return int(row[0])
+
+    def insert_episode(self, fields: dict[str, Any]) -> int:
+        names = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        with self.transaction() as db:
+            cur = db.execute(f"INSERT INTO episodes ({names}) VALUES ({marks})", tuple(fields.values()))
+            return int(cur.lastrowid)
+
+    def update_episode(self, episode_id: int, **fields: Any) -> None:
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        self.execute(f"UPDATE episodes SET {assignments} WHERE id = ?", (*fields.values(), episode_id))
+
+    def firing_episodes(self) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM episodes WHERE status = 'firing'")
+
+    def episodes_between(self, since: float, until: float) -> list[sqlite3.Row]:
+        return self.query(
+            "SELECT * FROM episodes WHERE starts_at >= ? AND starts_at < ? ORDER BY starts_at, id",
+            (since, until),
+        )
+
+    def storm_members(self, storm_id: int) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM episodes WHERE storm_id = ? ORDER BY id", (storm_id,))
+
+    # -- storms -------------------------------------------------------------------------------
+
+    def open_storm(self, alertname: str, level: str) -> sqlite3.Row | None:
+        return self.one(
+            "SELECT * FROM storms WHERE alertname = ? AND level = ? AND sealed_at IS NULL "
+            "ORDER BY id DESC LIMIT 1",
+            (alertname, level),
+        )
+
+    def create_storm(self, alertname: str, level: str, now: float) -> int:
+        cur = self.execute(
+            "INSERT INTO storms (alertname, level, opened_at) VALUES (?, ?, ?)", (alertname, level, now)
+        )
+        return int(cur.lastrowid)
+
+    def seal_storm(self, storm_id: int, now: float) -> None:
+        self.execute("UPDATE storms SET sealed_at = ? WHERE id = ? AND sealed_at IS NULL", (now, storm_id))
+
+    def storm(self, storm_id: int) -> sqlite3.Row | None:
+        return self.one("SELECT * FROM storms WHERE id = ?", (storm_id,))
+
+    # -- outbox -------------------------------------------------------------------------------
+
+    def enqueue(self, fields: dict[str, Any]) -> int | None:
+        """Add a notification to the outbox; None when its idempotency key is already there."""
+        names = ", ".join(fields)
+        marks = ", ".join("?" for _ in fields)
+        cur = self.execute(
+            f"INSERT OR IGNORE INTO outbox ({names}, state) VALUES ({marks}, 'pending')",
+            tuple(fields.values()),
+        )
+        return int(cur.lastrowid) if cur.rowcount else None
+
+    def outbox_row(self, outbox_id: int) -> sqlite3.Row | None:
+        return self.one("SELECT * FROM outbox WHERE id = ?", (outbox_id,))
+
+    def due_outbox(self, now: float, limit: int = 200) -> list[sqlite3.Row]:
+        return self.query(
+            "SELECT * FROM outbox WHERE state = 'pending' AND not_before <= ? ORDER BY not_before, id "
+            "LIMIT ?",
+            (now, limit),
+        )
+
+    def next_due(self) -> float | None:
+        row = self.one("SELECT MIN(not_before) FROM outbox WHERE state = 'pending'")
+        return None if row[0] is None else float(row[0])
+
+    def outbox_for(self, **where: Any) -> list[sqlite3.Row]:
+        clause = " AND ".join(f"{name} = ?" for name in where)
+        return self.query(f"SELECT * FROM outbox WHERE {clause} ORDER BY id", tuple(where.values()))
+
+    def set_outbox(self, outbox_id: int, **fields: Any) -> None:
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        self.execute(f"UPDATE outbox SET {assignments} WHERE id = ?", (*fields.values(), outbox_id))
+
+    def begin_attempt(self, outbox_id: int, now: float, payload: dict[str, Any]) -> int:
+        """Record that a send is starting (committed before the request leaves) and freeze the payload."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE outbox SET state = 'sending', attempts = attempts + 1, payload = ? WHERE id = ?",
+                (json.dumps(payload, ensure_ascii=False), outbox_id),
+            )
+            cur = db.execute("INSERT INTO attempts (outbox_id, started_at) VALUES (?, ?)", (outbox_id, now))
+            return int(cur.lastrowid)
+
+    def finish_attempt(self, attempt_id: int, now: float, outcome: str, detail: str) -> None:
+        self.execute(
+            "UPDATE attempts SET finished_at = ?, outcome = ?, detail = ? WHERE id = ?",
+            (now, outcome, detail[:2000], attempt_id),
+        )
+
+    def in_doubt(self) -> list[sqlite3.Row]:
+        """Outbox rows whose last send started but never recorded a result (the process died)."""
+        return self.query(
+            "SELECT o.*, a.id AS attempt_id, a.started_at AS attempt_started FROM outbox o "
+            "JOIN attempts a ON a.outbox_id = o.id "
+            "WHERE o.state = 'sending' AND a.finished_at IS NULL ORDER BY o.id"
+        )
+
+    def queue_depth(self) -> int:
+        return int(self.one("SELECT COUNT(*) FROM outbox WHERE state IN ('pending', 'sending')")[0])
+
+    def dead_letters(self) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM outbox WHERE state = 'dead' ORDER BY id")
+
+    def attempts_of(self, outbox_id: int) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM attempts WHERE outbox_id = ? ORDER BY id", (outbox_id,))
+
+    # -- sheet archive ------------------------------------------------------------------------
+
+    def add_archive(self, episode_id: int, event: str, row: list[Any], now: float) -> None:
+        self.execute(
+            "INSERT INTO archive (episode_id, event, row, state, created_at) VALUES (?, ?, ?, 'pending', ?)",
+            (episode_id, event, json.dumps(row, ensure_ascii=False), now),
+        )
+
+    def pending_archive(self, limit: int) -> list[sqlite3.Row]:
+        return self.query(
+            "SELECT * FROM archive WHERE state IN ('pending', 'sending') ORDER BY id LIMIT ?", (limit,)
+        )
+
+    def set_archive(self, ids: Sequence[int], state: str, error: str | None = None) -> None:
+        with self.transaction() as db:
+            db.executemany(
+                "UPDATE archive SET state = ?, last_error = ?, attempts = attempts + (? = 'sending') "
+                "WHERE id = ?",
+                [(state, error, state, i) for i in ids],
+            )
+
+    # -- drill-downs --------------------------------------------------------------------------
+
+    def recent_drilldown(self, job: str, since: float) -> sqlite3.Row | None:
+        return self.one(
+            "SELECT * FROM drilldowns WHERE job = ? AND requested_at >= ? ORDER BY id DESC LIMIT 1",
+            (job, since),
+        )
+
+    def add_drilldown(self, job: str, alertname: str, episode_id: int, now: float) -> int:
+        cur = self.execute(
+            "INSERT INTO drilldowns (job, alertname, episode_id, requested_at, state) "
+            "VALUES (?, ?, ?, ?, 'pending')",
+            (job, alertname, episode_id, now),
+        )
+        return int(cur.lastrowid)
+
+    def pending_drilldowns(self) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM drilldowns WHERE state IN ('pending', 'running') ORDER BY id")
+
+    def set_drilldown(self, drilldown_id: int, **fields: Any) -> None:
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        self.execute(f"UPDATE drilldowns SET {assignments} WHERE id = ?", (*fields.values(), drilldown_id))
+
+    def drilldown(self, drilldown_id: int) -> sqlite3.Row | None:
+        return self.one("SELECT * FROM drilldowns WHERE id = ?", (drilldown_id,))
+
+    # -- retention ----------------------------------------------------------------------------
+
+    def purge(self, before: float) -> dict[str, int]:
+        """Delete finished history older than `before`; open work is never deleted."""
+        counts = {}
+        with self.transaction() as db:
+            old = "SELECT id FROM episodes WHERE status = 'resolved' AND COALESCE(ends_at, last_seen) < ?"
+            counts["attempts"] = db.execute(
+                "DELETE FROM attempts WHERE outbox_id IN (SELECT id FROM outbox WHERE state NOT IN "
+                "('pending', 'sending') AND created_at < ?)",
+                (before,),
+            ).rowcount
+            counts["outbox"] = db.execute(
+                "DELETE FROM outbox WHERE state NOT IN ('pending', 'sending') AND created_at < ?", (before,)
+            ).rowcount
+            counts["archive"] = db.execute(
+                "DELETE FROM archive WHERE state = 'sent' AND created_at < ?", (before,)
+            ).rowcount
+            counts["drilldowns"] = db.execute(
+                "DELETE FROM drilldowns WHERE state = 'done' AND requested_at < ?", (before,)
+            ).rowcount
+            counts["episodes"] = db.execute(
+                f"DELETE FROM episodes WHERE id IN ({old}) AND id NOT IN "
+                "(SELECT episode_id FROM outbox WHERE episode_id IS NOT NULL)",
+                (before,),
+            ).rowcount
+            counts["storms"] = db.execute(
+                "DELETE FROM storms WHERE sealed_at < ? AND id NOT IN "
+                "(SELECT storm_id FROM episodes WHERE storm_id IS NOT NULL)",
+                (before,),
+            ).rowcount
+            counts["inbox"] = db.execute(
+                "DELETE FROM inbox WHERE processed_at IS NOT NULL AND received_at < ?", (before,)
+            ).rowcount
+        return counts

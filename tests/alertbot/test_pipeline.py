@@ -1,0 +1,194 @@
+"""Dedupe, recurrence, flapping, storm collapse, grading and escalation, on a real SQLite store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatrace.alertbot.config import GradingConfig
+from megatrace.alertbot.grading import base_level, grade, load_policy
+from megatrace.config import ConfigError
+from tests.alertbot.conftest import Bot, alert, config, webhook
+
+T0 = 1_790_000_000.0
+
+
+def kinds(bot: Bot) -> list[tuple[str, str]]:
+    return [(r["kind"], r["state"]) for r in bot.store.query("SELECT * FROM outbox ORDER BY id")]
+
+
+def test_ha_duplicates_give_one_notification(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    hang = alert(job="llm", rank="3", instance="gpu-7:9450")
+    bot.receive(webhook(hang), T0)
+    bot.receive(webhook(hang), T0 + 1)  # the second Alertmanager of the HA pair
+    bot.drain()
+    assert kinds(bot) == [("firing", "sent")]
+    episode = bot.store.query("SELECT * FROM episodes")[0]
+    assert episode["duplicates"] == 1
+    sent = bot.console()
+    assert len(sent) == 1 and sent[0]["card"]["header"]["template"] == "red"
+    assert "[P0] FIRING" in sent[0]["card"]["header"]["title"]["content"]
+
+
+def test_resolve_follows_firing_and_stale_firing_is_ignored(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert(job="llm", rank="1")), T0)
+    bot.receive(webhook(alert(job="llm", rank="1", status="resolved", ends_at=T0 + 600)), T0 + 600)
+    bot.receive(webhook(alert(job="llm", rank="1")), T0 + 601)  # late duplicate of the firing webhook
+    bot.drain()
+    assert kinds(bot) == [("firing", "sent"), ("resolved", "sent")]
+    resolved = bot.console()[1]["card"]
+    assert resolved["header"]["template"] == "green"
+    assert "Resolved** after 10m" in resolved["elements"][0]["text"]["content"]
+
+
+def test_resolved_arriving_first_reports_the_whole_episode_once(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert(job="llm", status="resolved", ends_at=T0 + 120)), T0 + 130)
+    bot.receive(webhook(alert(job="llm")), T0 + 131)  # the firing webhook, out of order
+    bot.drain()
+    assert kinds(bot) == [("resolved", "sent")]
+    assert bot.store.query("SELECT status FROM episodes")[0]["status"] == "resolved"
+
+
+def test_repeat_interval_and_recurrence(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path, dedupe={"repeat_interval_s": 3600, "flap_threshold": 10}))
+    hang = alert(job="llm", rank="2")
+    bot.receive(webhook(hang), T0)
+    bot.receive(webhook(hang), T0 + 1800)  # Alertmanager repeat inside our interval: dropped
+    bot.receive(webhook(hang), T0 + 3700)  # past it: a reminder
+    bot.receive(webhook(alert(job="llm", rank="2", status="resolved", ends_at=T0 + 4000)), T0 + 4000)
+    again = alert(job="llm", rank="2", starts_at=T0 + 5000)  # same alert, new episode
+    bot.receive(webhook(again), T0 + 5000)
+    bot.drain()
+    assert [k for k, _ in kinds(bot)] == ["firing", "repeat", "resolved", "firing"]
+    episodes = bot.store.query("SELECT recurrence FROM episodes ORDER BY id")
+    assert [e["recurrence"] for e in episodes] == [0, 1]
+    last = bot.console()[-1]["card"]["elements"][0]["text"]["content"]
+    assert "**Recurrence**: #2 of this alert" in last
+    assert "Still firing (reminder)" in bot.console()[1]["card"]["elements"][0]["text"]["content"]
+
+
+def test_flapping_alert_is_held_back_and_dropped_when_it_resolves_in_time(tmp_path: Path) -> None:
+    cfg = config(tmp_path, dedupe={"flap_threshold": 3, "flap_window_s": 3600, "flap_hold_s": 300})
+    bot = Bot(cfg)
+    for i in range(3):
+        start = T0 + i * 100
+        bot.receive(webhook(alert("MegatraceSlowRank", severity="P1", starts_at=start, job="j")), start)
+        bot.receive(
+            webhook(alert("MegatraceSlowRank", "resolved", start, start + 50, "P1", job="j")), start + 50
+        )
+    bot.delivery.deliver_due(T0 + 10_000)
+    rows = kinds(bot)
+    assert rows[:4] == [("firing", "sent"), ("resolved", "sent"), ("firing", "sent"), ("resolved", "sent")]
+    assert rows[4:] == [("firing", "suppressed")]  # third episode: flapping, resolved while held
+    flapping = bot.store.query("SELECT flapping FROM episodes ORDER BY id")
+    assert [f["flapping"] for f in flapping] == [0, 0, 1]
+    assert bot.metrics.suppressed._value.get() == 1
+
+
+def test_flapping_alert_still_firing_after_the_hold_is_sent(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path, dedupe={"flap_threshold": 2, "flap_hold_s": 300}))
+    bot.receive(webhook(alert(starts_at=T0, job="j")), T0)
+    bot.receive(webhook(alert(status="resolved", starts_at=T0, ends_at=T0 + 5, job="j")), T0 + 5)
+    bot.receive(webhook(alert(starts_at=T0 + 10, job="j")), T0 + 10)
+    assert bot.delivery.deliver_due(T0 + 11) == 2  # first firing + its resolve; second held
+    assert bot.delivery.deliver_due(T0 + 311) == 1
+    card = bot.console()[-1]["card"]["elements"][0]["text"]["content"]
+    assert "**Flapping**" in card
+
+
+def test_storm_collapses_into_one_summary(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path, dedupe={"storm_threshold": 3, "storm_window_s": 120, "storm_hold_s": 5}))
+    links = [
+        alert("MegatraceIBLinkDown", severity="P0", instance=f"gpu-{i}:9450", device="mlx5_0")
+        for i in range(40)
+    ]
+    for i in range(0, 40, 10):
+        bot.receive(webhook(*links[i : i + 10]), T0)
+    bot.delivery.deliver_due(T0 + 1)
+    assert [k for k, _ in kinds(bot)] == ["firing"] * 3 + ["storm"]
+    assert bot.delivery.deliver_due(T0 + 6) == 1
+    sent = bot.console()
+    assert len(sent) == 4
+    storm = sent[3]["card"]
+    assert storm["header"]["title"]["content"] == "[P0] STORM: 37 × MegatraceIBLinkDown"
+    text = storm["elements"][0]["text"]["content"]
+    assert "instance=gpu-3:9450" in text and "instance=gpu-39:9450" in text
+    # a later alert of the same kind opens a new summary; resolves of members are not sent one by one
+    bot.receive(webhook(alert("MegatraceIBLinkDown", severity="P0", instance="gpu-99:9450")), T0 + 10)
+    bot.receive(webhook({**links[5], "status": "resolved", "endsAt": "2026-09-21T00:00:00Z"}), T0 + 11)
+    bot.delivery.deliver_due(T0 + 20)
+    assert [k for k, _ in kinds(bot)][4:] == ["storm"]
+    assert "1 × MegatraceIBLinkDown" in bot.console()[-1]["card"]["header"]["title"]["content"]
+
+
+def test_escalation_raises_recurring_alert_one_level(tmp_path: Path) -> None:
+    bot = Bot(
+        config(
+            tmp_path, grading={"escalate_after": 3, "escalate_window_s": 86400}, dedupe={"flap_threshold": 99}
+        )
+    )
+    for i in range(4):
+        start = T0 + i * 3600
+        bot.receive(
+            webhook(alert("GpuThrottled", severity="P2", starts_at=start, instance="gpu-1:9450")), start
+        )
+        bot.receive(
+            webhook(alert("GpuThrottled", "resolved", start, start + 60, "P2", instance="gpu-1:9450")),
+            start + 60,
+        )
+    levels = bot.store.query("SELECT level, escalated FROM episodes ORDER BY id")
+    assert [(r["level"], r["escalated"]) for r in levels] == [("P2", 0), ("P2", 0), ("P1", 1), ("P1", 1)]
+    bot.drain()
+    assert "raised to P1" in bot.console()[-2]["card"]["elements"][0]["text"]["content"]
+
+
+def test_p3_goes_to_the_report_only(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert("NodeInfo", severity="info", instance="gpu-1:9450")), T0)
+    assert kinds(bot) == []
+    assert bot.store.query("SELECT level FROM episodes")[0]["level"] == "P3"
+
+
+def test_grading_words_policy_and_default(tmp_path: Path) -> None:
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        "rules:\n"
+        "  - match: {alertname: GpuThrottled}\n    match_re: {instance: 'gpu-(1|2):.*'}\n    level: P1\n"
+        "  - match: {team: storage}\n    level: P3\n"
+    )
+    policy = load_policy(policy_file)
+    assert (
+        base_level({"alertname": "GpuThrottled", "instance": "gpu-1:9450", "severity": "P2"}, policy, "P2")
+        == "P1"
+    )
+    assert (
+        base_level({"alertname": "GpuThrottled", "instance": "gpu-3:9450", "severity": "P2"}, policy, "P2")
+        == "P2"
+    )
+    assert base_level({"alertname": "X", "team": "storage", "severity": "critical"}, policy, "P2") == "P3"
+    assert base_level({"alertname": "X", "severity": "critical"}, [], "P2") == "P0"
+    assert base_level({"alertname": "X", "severity": "warning"}, [], "P2") == "P2"
+    assert base_level({"alertname": "X", "severity": "p1"}, [], "P2") == "P1"
+    assert base_level({"alertname": "X"}, [], "P3") == "P3"
+    assert grade({"alertname": "X", "severity": "P0"}, [], GradingConfig(escalate_after=1), 5).level == "P0"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rules: [{match: {a: b}, level: P7}]", "rules[0].level"),
+        ("rules: [{level: P1}]", "needs at least one matcher"),
+        ("rules: [{match_re: {a: '('}, level: P1}]", "invalid regular expression"),
+        ("rulez: []", "unknown key"),
+    ],
+)
+def test_bad_policy_file_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"policy\.yaml") as exc:
+        load_policy(path)
+    assert message in str(exc.value)
