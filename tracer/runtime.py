@@ -1,0 +1,246 @@
+"""The tracer inside a training process: install/uninstall, ring opening, steps, Work tracking.
+
+`install()` patches torch.distributed when tracing is enabled (and does nothing otherwise); the ring
+file opens once the default process group exists, and the watchdog starts with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from megatrace.config import ConfigError
+from megatrace.tracer import wrappers
+from megatrace.tracer.faults import FaultPlan
+from megatrace.tracer.recorder import Recorder
+from megatrace.tracer.ringfile import W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
+from megatrace.tracer.settings import (
+    FaultSettings,
+    TraceSettings,
+    fault_settings,
+    trace_settings,
+    writable_trace_dir,
+)
+from megatrace.tracer.watchdog import Watchdog
+
+log = logging.getLogger("megatrace.tracer")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _local_rank() -> int:
+    for name in _LOCAL_RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return -1
+
+
+class Tracer:
+    """Tracing state of this process: settings, the open ring, communicator ids, faults, watchdog."""
+
+    def __init__(self, settings: TraceSettings, faults: FaultSettings) -> None:
+        self.settings = settings
+        self.fault_settings = faults
+        self.recorder: Recorder | None = None
+        self.faults: FaultPlan | None = None
+        self.watchdog: Watchdog | None = None
+        self.comms: dict[Any, tuple[int, tuple[int, ...]] | None] = {}
+        self.futureless: set[int] = set()
+        self.explicit_steps = False
+        self.originals: dict[str, Callable] = {}
+        self.job_dir = writable_trace_dir(settings.dir) / settings.job
+        self._open_lock = threading.Lock()
+        self._step_hook: Any = None
+
+    def open_ring(self) -> Recorder | None:
+        """Open this rank's ring file once the default process group exists; the recorder or None."""
+        if self.recorder is not None or not dist.is_initialized():
+            return self.recorder
+        with self._open_lock:
+            if self.recorder is not None:
+                return self.recorder
+            rank = dist.get_rank()
+            identity = RankIdentity(
+                job=self.settings.job,
+                rank=rank,
+                local_rank=_local_rank(),
+                world_size=dist.get_world_size(),
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                start_time_ns=time.time_ns(),
+            )
+            writer = RingWriter(ring_path(self.job_dir, rank), identity, capacity=self.settings.capacity)
+            plan = FaultPlan(self.fault_settings, rank)
+            self.faults = plan if plan.active else None
+            self.watchdog = Watchdog(writer, self.job_dir, rank, self.settings.stall_ms * 1_000_000)
+            self.watchdog.start_thread()
+            self._register_step_hook()
+            self.recorder = Recorder(writer, rank)
+            log.info("megatrace tracer: rank %d records to %s", rank, writer.path)
+        return self.recorder
+
+    def lookup_comm(self, group: Any) -> tuple[int, tuple[int, ...]] | None:
+        """(comm id, member global ranks) of `group`, cached; None where this rank is not a member."""
+        try:
+            if group is None or group is dist.GroupMember.WORLD:
+                ranks = tuple(range(dist.get_world_size()))
+            elif group is dist.GroupMember.NON_GROUP_MEMBER:
+                ranks = ()
+            else:
+                ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        except (RuntimeError, ValueError):
+            ranks = ()
+        if not ranks or self.recorder is None:
+            entry = None
+        else:
+            cid = comm_id(ranks)
+            entry = (cid, ranks)
+            if not self.recorder.writer.add_communicator(cid, ranks):
+                log.warning("megatrace tracer: communicator table full; members of %x not stored", cid)
+        self.comms[group] = entry
+        return entry
+
+    def track_work(self, work: Any, serial: int, op: int) -> Any:
+        """Arrange for the completion of an async op's Work to be recorded; returns what to hand back."""
+        recorder = self.recorder
+        if work is None or recorder is None:
+            if recorder is not None:
+                recorder.end(serial)
+            return work
+        if op not in self.futureless:
+            try:
+                future = work.get_future()
+            except RuntimeError:
+                self.futureless.add(op)
+            else:
+                future.add_done_callback(lambda _done: recorder.end(serial))
+                return work
+        return wrappers.TracedWork(work, recorder, serial)
+
+    def mark_step(self, explicit: bool) -> None:
+        """A training step ended; explicit marks switch automatic detection off."""
+        if explicit:
+            self.explicit_steps = True
+        elif self.explicit_steps:
+            return
+        if self.recorder is not None:
+            self.recorder.mark_step()
+
+    def _register_step_hook(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook = register_optimizer_step_post_hook(lambda *_: self.mark_step(explicit=False))
+
+    def forget_comms(self) -> None:
+        self.comms.clear()
+
+    def at_exit(self) -> None:
+        """Flag a clean exit (no uncaught exception), write the exit dump, stop the watchdog."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        if getattr(sys, "last_value", None) is None:
+            recorder.header[W_FINISHED] = 1
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog.dump("exit")
+
+    def close(self) -> None:
+        """Stop the watchdog, drop the step hook and unmap the ring (tests and benchmarks)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+        if self.recorder is not None:
+            self.recorder.writer.close()
+        self.recorder = None
+
+
+_tracer: Tracer | None = None
+_install_lock = threading.Lock()
+
+
+def _wrap_lifecycle(tracer: Tracer) -> None:
+    init, destroy = c10d.init_process_group, c10d.destroy_process_group
+
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = init(*args, **kwargs)
+        tracer.forget_comms()
+        tracer.open_ring()
+        return result
+
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        tracer.forget_comms()
+        return destroy(*args, **kwargs)
+
+    for name, wrapper, original in (
+        ("init_process_group", init_process_group, init),
+        ("destroy_process_group", destroy_process_group, destroy),
+    ):
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper.__doc__ = original.__doc__
+        wrapper.__megatrace__ = True  # type: ignore[attr-defined]
+        tracer.originals[name] = original
+        setattr(c10d, name, wrapper)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, wrapper)
+
+
+def install(settings: TraceSettings | None = None, faults: FaultSettings | None = None) -> bool:
+    """Start tracing this process if enabled (settings from the environment by default).
+
+    Returns whether the tracer is installed. Disabled means nothing is patched. Bad settings are
+    reported on stderr and leave the process untraced: tracing never stops a training job.
+    """
+    global _tracer
+    with _install_lock:
+        if _tracer is not None:
+            return True
+        try:
+            settings = trace_settings() if settings is None else settings
+            faults = fault_settings() if faults is None else faults
+        except ConfigError as exc:
+            print(f"megatrace tracer: not tracing, bad configuration: {exc}", file=sys.stderr, flush=True)
+            return False
+        if not settings.enable or not dist.is_available():
+            return False
+        tracer = Tracer(settings, faults)
+        tracer.originals.update(wrappers.patch(tracer))
+        _wrap_lifecycle(tracer)
+        atexit.register(tracer.at_exit)
+        _tracer = tracer
+        tracer.open_ring()
+        return True
+
+
+def uninstall() -> None:
+    """Restore torch.distributed and close the ring (the ring file stays on disk)."""
+    global _tracer
+    with _install_lock:
+        tracer, _tracer = _tracer, None
+        if tracer is None:
+            return
+        atexit.unregister(tracer.at_exit)
+        wrappers.unpatch(tracer.originals)
+        tracer.close()
+
+
+def mark_step() -> None:
+    """Mark the end of a training step (switches automatic optimizer-step detection off)."""
+    if _tracer is not None:
+        _tracer.mark_step(explicit=True)
+
+
+def current() -> Tracer | None:
+    """The installed tracer, if any."""
+    return _tracer

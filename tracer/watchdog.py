@@ -1,0 +1,129 @@
+"""The stall watchdog: a thread that dumps the rank's ring as text when it stops making progress.
+
+A stall is an op in flight for longer than the sensitivity, or no op issued or completed for longer
+than it. One dump per stall episode; also one on SIGUSR1 (any previous handler still runs) and one
+at exit. The dump is built from a copy of the ring in this thread, never in the training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import threading
+import time
+from pathlib import Path
+
+from megatrace.tracer.dumpfile import dump_path, write_dump
+from megatrace.tracer.ringfile import (
+    W_DUMPS_WRITTEN,
+    W_FINISHED,
+    W_LAST_COMPLETE_NS,
+    W_LAST_ENQUEUE_NS,
+    W_LAST_STEP_END_NS,
+    W_OLDEST_INFLIGHT_ENQUEUE_NS,
+    RingWriter,
+    read_ring,
+)
+
+log = logging.getLogger("megatrace.tracer")
+
+
+def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
+    """Whether the counters in `header` show a stall at `now_ns`."""
+    if header[W_FINISHED]:
+        return False
+    oldest = header[W_OLDEST_INFLIGHT_ENQUEUE_NS]
+    if oldest and now_ns - oldest > stall_ns:
+        return True
+    progress = max(header[W_LAST_ENQUEUE_NS], header[W_LAST_COMPLETE_NS], header[W_LAST_STEP_END_NS])
+    return bool(header[W_LAST_ENQUEUE_NS]) and now_ns - progress > stall_ns
+
+
+class Watchdog:
+    """Watches one rank's ring header and writes dumps into the job folder."""
+
+    def __init__(self, writer: RingWriter, job_dir: Path, rank: int, stall_ns: int) -> None:
+        self.writer = writer
+        self.job_dir = job_dir
+        self.rank = rank
+        self.stall_ns = stall_ns
+        self.interval = max(0.01, min(stall_ns / 4e9, 0.25))
+        self.dumps = 0
+        self._stop = threading.Event()
+        self._dump_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="megatrace-watchdog", daemon=True)
+
+    def start_thread(self) -> None:
+        """Start watching; hook SIGUSR1 when called from the main thread."""
+        if threading.current_thread() is threading.main_thread():
+            self._hook_sigusr1()
+        self._thread.start()
+
+    def _hook_sigusr1(self) -> None:
+        previous = signal.getsignal(signal.SIGUSR1)
+        via_wakeup_fd = False
+        with contextlib.suppress(ValueError, OSError):
+            old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+            if old_fd == -1:
+                via_wakeup_fd = True
+            else:
+                signal.set_wakeup_fd(old_fd)
+        wake_w = self._wake_w
+
+        def on_sigusr1(signum: int, frame: object) -> None:
+            if not via_wakeup_fd:
+                with contextlib.suppress(OSError):
+                    os.write(wake_w, bytes([signal.SIGUSR1]))
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGUSR1, on_sigusr1)
+
+    def _run(self) -> None:
+        in_stall = False
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._wake_r], [], [], self.interval)
+            if self._stop.is_set():
+                break
+            if ready and self._signalled():
+                self.dump("signal")
+            stalled = is_stalled(self.writer.header, time.time_ns(), self.stall_ns)
+            if stalled and not in_stall:
+                self.dump("stall")
+            in_stall = stalled
+
+    def _signalled(self) -> bool:
+        try:
+            data = os.read(self._wake_r, 512)
+        except BlockingIOError:
+            return False
+        return signal.SIGUSR1 in data
+
+    def dump(self, reason: str) -> Path | None:
+        """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
+        with self._dump_lock:
+            try:
+                snapshot = read_ring(self.writer.path)
+                path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
+                write_dump(path, snapshot, reason)
+            except (OSError, ValueError) as exc:
+                log.warning("megatrace tracer: could not write %s dump: %s", reason, exc)
+                return None
+            self.dumps += 1
+            self.writer.header[W_DUMPS_WRITTEN] = self.dumps
+        log.warning("megatrace tracer: rank %d wrote %s dump %s", self.rank, reason, path)
+        return path
+
+    def stop(self) -> None:
+        """Stop the thread (waits briefly for it)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
