@@ -132,7 +132,7 @@ def simulate(sc: Scenario) -> Trace:
     def p2p(src: np.ndarray, dst: np.ndarray, nbytes: int, step: int) -> None:
         next_slot()
         for a, b in zip(src.tolist(), dst.tolist(), strict=True):
-            c = cid(("p2p", a, b), (min(a, b), max(a, b)))
+            c = cid(("p2p", min(a, b), max(a, b)), (min(a, b), max(a, b)))
             s = seqs.get(c, 0)
             seqs[c] = s + 1
             ok_a, ok_b = not blocked[a], not blocked[b]
@@ -213,15 +213,20 @@ def lose_and_duplicate(trace: Trace, lose_oldest: float = 0.0, seed: int = 0) ->
     if lose_oldest <= 0:
         return trace
     keep = np.ones(len(trace.rank), dtype=bool)
-    uniq, starts, counts = np.unique(trace.rank, return_index=True, return_counts=True)
+    _ranks, starts, counts = np.unique(trace.rank, return_index=True, return_counts=True)
     rng = np.random.default_rng(seed)
     for s, c in zip(starts, counts, strict=True):
         drop = int(c * lose_oldest * rng.uniform(0.5, 1.0))
         keep[s : s + drop] = False
-    fields = {k: getattr(trace, k)[keep] for k in ("rank", "comm_key", "seq", "op", "nbytes", "enqueue_ns",
-                                                    "complete_ns", "peer", "step")}  # fmt: skip
-    return Trace(comms=trace.comms, truth_hang=trace.truth_hang, truth_slow=trace.truth_slow, end_ns=trace.end_ns,
-                 **fields)  # fmt: skip
+    names = ("rank", "comm_key", "seq", "op", "nbytes", "enqueue_ns", "complete_ns", "peer", "step")
+    fields = {k: getattr(trace, k)[keep] for k in names}
+    return Trace(
+        comms=trace.comms,
+        truth_hang=trace.truth_hang,
+        truth_slow=trace.truth_slow,
+        end_ns=trace.end_ns,
+        **fields,
+    )
 
 
 def _spans(trace: Trace):
@@ -239,8 +244,8 @@ def write_ring_files(trace: Trace, job_dir: Path, gpus_per_node: int = 8, job: s
     paths = []
     for rank, lo, hi in _spans(trace):
         n = hi - lo
-        identity = RankIdentity(job, rank, rank % gpus_per_node, world, f"node{rank // gpus_per_node}", 1000 + rank,
-                                T0_NS)  # fmt: skip
+        host = f"node{rank // gpus_per_node}"
+        identity = RankIdentity(job, rank, rank % gpus_per_node, world, host, 1000 + rank, T0_NS)
         path = job_dir / f"rank-{rank}.trace"
         writer = RingWriter(path, identity, capacity=max(n, 1), comm_table_bytes=1 << 16)
         keys = np.unique(trace.comm_key[lo:hi])
@@ -281,10 +286,11 @@ def write_nccl_logs(
             k = int(trace.comm_key[i])
             ns = int(trace.enqueue_ns[i])
             name = NCCL_NAMES.get(OPS[int(trace.op[i])], "AllReduce")
+            stamp = f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
+            stream = hex(streams[k] + rank * 0x10_0000_0000)
             line = (
-                f"[save_count {1 + (i - lo) // 500}] [{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}] [Rank {rank}] "
-                f"Fun {name} Data {int(trace.nbytes[i]) // 2} stream {hex(streams[k] + rank * 0x10_0000_0000)} "
-                f"opCount {int(trace.seq[i])}"
+                f"[save_count {1 + (i - lo) // 500}] [{stamp}] [Rank {rank}] "
+                f"Fun {name} Data {int(trace.nbytes[i]) // 2} stream {stream} opCount {int(trace.seq[i])}"
             )
             if group_hash == "full" or (group_hash == "truncated" and rng.random() > 0.3):
                 line += f" groupHash {hashes[k]}"
@@ -323,12 +329,22 @@ def write_flight_recorder(trace: Trace, out_dir: Path) -> list[Path]:
                 prof = f"nccl:{name}"
             done = int(trace.complete_ns[i])
             entries.append(
-                {"record_id": i - lo, "pg_id": k, "process_group": [str(k), "sim"], "collective_seq_id": int(trace.seq[i]),
-                 "p2p_seq_id": 0, "profiling_name": prof, "time_created_ns": int(trace.enqueue_ns[i]),
-                 "input_sizes": [[int(trace.nbytes[i]) // 4]], "input_dtypes": ["Float"],
-                 "state": "completed" if done else "started", "time_discovered_completed_ns": done or None,
-                 "retired": bool(done), "is_p2p": name in ("send", "recv")}
-            )  # fmt: skip
+                {
+                    "record_id": i - lo,
+                    "pg_id": k,
+                    "process_group": [str(k), "sim"],
+                    "collective_seq_id": int(trace.seq[i]),
+                    "p2p_seq_id": 0,
+                    "profiling_name": prof,
+                    "time_created_ns": int(trace.enqueue_ns[i]),
+                    "input_sizes": [[int(trace.nbytes[i]) // 4]],
+                    "input_dtypes": ["Float"],
+                    "state": "completed" if done else "started",
+                    "time_discovered_completed_ns": done or None,
+                    "retired": bool(done),
+                    "is_p2p": name in ("send", "recv"),
+                }
+            )
         path = out_dir / f"nccl_trace_rank_{rank}.json"
         path.write_text(
             json.dumps({"version": "2.5", "rank": rank, "pg_config": pg_config, "entries": entries})

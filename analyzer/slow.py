@@ -10,7 +10,7 @@ is its enqueue time minus the instance median. A rank is late in a communicator 
 after the median in most instances (persistence) by a median margin of at least `MIN_REL` of the
 communicator's call interval (effect size). A rank late in *every* communicator it belongs to is a
 straggler; ranks late only where they wait for a straggler are victims; a whole group late
-together (and no straggler inside) is reported as a slow group (imbalance).
+together, with no straggler anywhere, is reported as a slow group (imbalance).
 """
 
 from __future__ import annotations
@@ -172,7 +172,8 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
             )
         )
     flagged = set(stragglers)
-    for m, comms in late.items():
+    # a group late together is only its own cause when no straggler (pipeline neighbour) explains it
+    for m, comms in late.items() if not stragglers else ():
         if m in flagged or not is_late[m]:
             continue
         for c in set(comms) - is_late[m]:

@@ -1,0 +1,137 @@
+"""Analyzer: readers (every format and malformation), layout arithmetic, detectors, report contract, CLI."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from megatrace.analyzer import analyze
+from megatrace.analyzer import scenarios as S
+from megatrace.analyzer.layout import LayoutConfig, LayoutError, resolve
+from megatrace.analyzer.nccl_log import parse_nccl_bytes
+from megatrace.cli import main
+
+LINE = (
+    "[save_count 5] [1755877674.248008482] [Rank 3] Fun AllReduce Data 25165824 stream 0x562a9d0b5020 "
+    "opCount {n} groupHash -5956285979098587305"
+)
+
+
+def _write(trace, fmt, path):
+    {"ring": S.write_ring_files, "nccl": S.write_nccl_logs, "fr": S.write_flight_recorder}[fmt](trace, path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["ring", "nccl", "fr"])
+def test_healthy_slow_hang_stuck_in_every_format(tmp_path, fmt):
+    base = dict(world=16, tp=2, pp=2, steps=16)
+    cases = {
+        "healthy": S.Scenario(**base),
+        "slow": S.Scenario(**base, slow={5: 0.2}, skew_ms={1: 4.0}),
+        "hang": S.Scenario(**base, hang_rank=[6], hang_at=40),
+        "stuck": S.Scenario(**base, stuck_at=40, stuck_rank=3),
+    }
+    for name, sc in cases.items():
+        trace = S.simulate(sc)
+        report = analyze([_write(trace, fmt, tmp_path / name)], LayoutConfig(tp=2, pp=2))
+        expected = {"healthy": "healthy", "slow": "slow"}.get(name, "hang")
+        assert report["verdict"] == expected, (name, report["suspects"])
+        named = {s["rank"] for s in report["suspects"]}
+        assert named == (trace.truth_slow if name == "slow" else trace.truth_hang), name
+
+
+def test_report_contract_and_positions(tmp_path):
+    trace = S.simulate(S.Scenario(world=16, tp=2, pp=2, steps=12, hang_rank=[9], hang_at=30))
+    report = analyze([_write(trace, "ring", tmp_path)], LayoutConfig(tp=2, pp=2))
+    top = report["suspects"][0]
+    assert report["verdict"] == "hang" and top["rank"] == 9 and top["kind"] == "hang"
+    assert 0 < top["confidence"] <= 1 and top["evidence"].endswith(".") and top["host"] == "node1"
+    assert top["coords"] == {"tp": 1, "cp": 0, "ep": 0, "dp": 0, "pp": 1}
+    assert 9 not in report["victims"] and report["victims"]
+
+
+def test_nccl_log_malformations(tmp_path):
+    good = [LINE.format(n=i) for i in range(5)]
+    raw = "\n".join(
+        [good[0], "complete garbage", good[1], good[1], good[2].replace("AllReduce", "Frobnicate"), good[3],
+         good[4][:40]]
+    ).encode()  # fmt: skip
+    log = parse_nccl_bytes(raw, "rank_3.log")
+    assert log.rank == 3 and sorted(log.op_count.tolist()) == [0, 1, 3]
+    assert log.duplicates == 1 and log.skipped == 3  # garbage, unknown op, cut final line
+    no_hash = parse_nccl_bytes(
+        b"[save_count 1] [1755590104.253968145] [Rank 0] Fun Recv Data 1 stream 0x5 opCount 0\n"
+    )
+    assert not no_hash.has_hash[0] and no_hash.op_count[0] == 0
+
+
+def test_nccl_without_hash_zero_hash_and_truncated(tmp_path):
+    trace = S.simulate(S.Scenario(world=16, tp=2, pp=2, steps=16, hang_rank=[6], hang_at=40))
+    for mode in ("none", "zero", "truncated"):
+        S.write_nccl_logs(trace, tmp_path / mode, group_hash=mode, duplicate_batches=True)
+        report = analyze([tmp_path / mode], LayoutConfig(tp=2, pp=2))
+        assert report["verdict"] == "hang" and report["suspects"][0]["rank"] == 6, mode
+
+
+def test_bad_files_are_reported_not_fatal(tmp_path):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=12, slow={3: 0.3}))
+    _write(trace, "nccl", tmp_path)
+    (tmp_path / "empty.log").write_bytes(b"")
+    (tmp_path / "junk.bin").write_bytes(b"\x00\x01garbage")
+    (tmp_path / "nccl_trace_rank_99.pkl").write_bytes(pickle.dumps({"version": "2.5"}))
+    with open(tmp_path / "rank_3.log", "a") as handle:
+        handle.write("half a line [save_count")
+    report = analyze([tmp_path, tmp_path / "missing"])
+    assert report["verdict"] == "slow" and report["suspects"][0]["rank"] == 3
+    ignored = report["inputs"]["ignored"]
+    assert ignored[str(tmp_path / "empty.log")] == "empty file"
+    assert ignored[str(tmp_path / "junk.bin")] == "unknown format"
+    assert "unreadable" in ignored[str(tmp_path / "nccl_trace_rank_99.pkl")]
+    assert ignored[str(tmp_path / "missing")] == "no such file or directory"
+    assert report["inputs"]["lines_skipped"][str(tmp_path / "rank_3.log")] == 1
+
+
+def test_logs_ending_at_different_saves_are_not_a_hang(tmp_path):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=20))
+    S.write_nccl_logs(trace, tmp_path)
+    path = tmp_path / "rank_2.log"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
+    report = analyze([tmp_path])
+    assert report["verdict"] == "healthy" and report["notes"]
+
+
+def test_layout_arithmetic():
+    lay = resolve(LayoutConfig(world_size=16, tp=2, pp=2))
+    assert lay.sizes["dp"] == 4 and lay.group(0, "tp") == (0, 1) and lay.group(0, "dp") == (0, 2, 4, 6)
+    assert lay.group(1, "pp") == (1, 9) and lay.coords(13) == {"tp": 1, "cp": 0, "ep": 0, "dp": 2, "pp": 1}
+    other = resolve(LayoutConfig(world_size=16, tp=2, pp=2, order="tp-cp-ep-pp-dp"))
+    assert other.group(0, "pp") == (0, 2) and other.group(0, "dp") == (0, 4, 8, 12)
+    with pytest.raises(LayoutError, match="not divisible"):
+        resolve(LayoutConfig(world_size=12, tp=8))
+    with pytest.raises(LayoutError, match="world size is 16"):
+        resolve(LayoutConfig(world_size=16, tp=2, dp=3))
+    with pytest.raises(LayoutError, match="unknown dimension"):
+        resolve(LayoutConfig(world_size=16, order="tp-xx-dp-pp-ep"))
+
+
+def test_cli_formats_layout_file_and_errors(tmp_path, capsys):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=12, hang_rank=[5], hang_at=20))
+    logs = _write(trace, "fr", tmp_path / "logs")
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("tp: 2\ngpus_per_node: 4\n")
+    assert main(["analyze", str(logs), "--format", "json", "--layout", str(layout), "--quiet"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["suspects"][0]["rank"] == 5 and report["suspects"][0]["host"] == "node1"
+    out = tmp_path / "trace.json"
+    assert main(["analyze", str(logs), "--format", "chrome", "--output", str(out)]) == 1
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any(e.get("name") == "suspect: hang" and e["tid"] == 5 for e in events)
+    assert main(["analyze", str(logs)]) == 1 and capsys.readouterr().out.startswith("HANG: rank 5")
+    assert main(["analyze", str(logs), "--tp", "3"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+    layout.write_text("tp: 2\nbogus: 1\n")
+    assert main(["analyze", str(logs), "--layout", str(layout)]) == 2
+    assert "bogus" in capsys.readouterr().err
