@@ -319,9 +319,27 @@ def test_exporter_service_monitor_keeps_the_training_job_label(objects: list[dic
     assert endpoint["path"] == "/metrics"
     assert {
         "sourceLabels": ["__meta_kubernetes_pod_node_name"],
-        "targetLabel": "node",
+        "targetLabel": "instance",
         "action": "replace",
     } in endpoint["relabelings"]
+
+
+def scrape_jobs(objects: list[dict[str, Any]]) -> dict[str, str]:
+    """Component → the `job` label its ServiceMonitor gives the scrape (from the Service label it names)."""
+    jobs = {}
+    for component in ("exporter", "alertbot"):
+        monitor = by_component(objects, "ServiceMonitor", component)
+        service = by_component(objects, "Service", component)
+        jobs[component] = service["metadata"]["labels"][monitor["spec"]["jobLabel"]]
+    return jobs
+
+
+def test_scrape_jobs_are_the_ones_the_rules_watch(defaults: list[dict[str, Any]]) -> None:
+    watched = set()
+    for path in rule_files():
+        watched |= set(re.findall(r'\bup\{job="([^"]+)"\}', path.read_text()))
+    assert watched
+    assert watched <= set(scrape_jobs(defaults).values())
 
 
 def test_operator_selector_labels_reach_every_operator_object(custom: list[dict[str, Any]]) -> None:
