@@ -9,6 +9,7 @@ are skipped quietly: that series is simply absent.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,24 +101,54 @@ WORD_COUNTERS = frozenset({"port_rcv_data", "port_xmit_data", "port_rcv_data_64"
 HW_SETTINGS = frozenset({"lifespan"})
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
-_DECIMAL = re.compile(r"\d+")
+READ_LIMIT = 4096
 
 
-def read_text(path: Path) -> str | None:
-    """A sysfs attribute's text without the trailing newline; None when it cannot be read."""
+def _read_at(directory_fd: int | None, path: str) -> bytes | None:
     try:
-        return path.read_text(encoding="ascii", errors="replace").strip()
-    except (OSError, ValueError) as exc:
+        fd = os.open(path, os.O_RDONLY, dir_fd=directory_fd)
+    except OSError as exc:
         log.debug("skipping %s: %s", path, exc)
         return None
-
-
-def read_counter(path: Path) -> int | None:
-    """A counter file's value; None when unreadable or not a number (``N/A (no PMA)``)."""
-    text = read_text(path)
-    if text is None or not _DECIMAL.fullmatch(text):
+    try:
+        return os.read(fd, READ_LIMIT).strip()
+    except OSError as exc:
+        log.debug("skipping %s: %s", path, exc)
         return None
-    return int(text)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: str | Path) -> str | None:
+    """A sysfs attribute's text without the trailing newline; None when it cannot be read."""
+    data = _read_at(None, str(path))
+    return None if data is None else data.decode("ascii", errors="replace")
+
+
+def read_directory(path: str | Path) -> list[tuple[str, bytes]]:
+    """(name, stripped content) of every readable file in a sysfs directory, sorted by name.
+
+    Files are opened relative to the directory (one path walk for the whole directory); entries that
+    cannot be read (EACCES, EINVAL, EISDIR, dangling links, ...) are left out.
+    """
+    try:
+        directory_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return []
+    try:
+        found = []
+        for name in sorted(os.listdir(directory_fd)):
+            data = _read_at(directory_fd, name)
+            if data is not None:
+                found.append((name, data))
+        return found
+    finally:
+        os.close(directory_fd)
+
+
+def parse_counter(data: bytes) -> int | None:
+    """A counter's value; None when not a number (``N/A (no PMA)``)."""
+    return int(data) if data.isdigit() else None
 
 
 def parse_state(text: str | None) -> int | None:
@@ -145,15 +176,15 @@ def _metric_name(file_name: str) -> str:
     return _NAME_UNSAFE.sub("_", file_name).lower()
 
 
-def _entries(path: Path) -> list[Path]:
+def _subdirectories(path: Path) -> list[str]:
     try:
-        return sorted(path.iterdir())
+        return sorted(os.listdir(path))
     except OSError:
         return []
 
 
-def _port_number(path: Path) -> int:
-    return int(path.name) if path.name.isdigit() else -1
+def _port_number(name: str) -> int:
+    return int(name) if name.isdigit() else -1
 
 
 class InfinibandCollector:
@@ -164,18 +195,17 @@ class InfinibandCollector:
 
     def collect(self) -> Iterator[Metric]:
         families = FamilySet("infiniband")
-        for device_dir in _entries(self.class_dir):
-            device = device_dir.name
+        for device in _subdirectories(self.class_dir):
+            device_dir = self.class_dir / device
             identity = {
                 "board_id": read_text(device_dir / "board_id") or "",
                 "firmware_version": read_text(device_dir / "fw_ver") or "",
                 "hca_type": read_text(device_dir / "hca_type") or "",
                 "node_guid": read_text(device_dir / "node_guid") or "",
             }
-            for port_dir in sorted(_entries(device_dir / "ports"), key=_port_number):
-                if _port_number(port_dir) < 0:
-                    continue
-                self._collect_port(families, device, identity, port_dir)
+            for port in sorted(_subdirectories(device_dir / "ports"), key=_port_number):
+                if _port_number(port) >= 0:
+                    self._collect_port(families, device, identity, device_dir / "ports" / port)
         return iter(families.families())
 
     def _collect_port(
@@ -213,14 +243,12 @@ class InfinibandCollector:
             )
         self._counters(families, labels, port_dir / "counters", COUNTERS, "")
         self._counters(families, labels, port_dir / "counters_ext", LEGACY_COUNTERS, "legacy_")
-        for path in _entries(port_dir / "hw_counters"):
-            if path.name in HW_SETTINGS:
-                continue
-            value = read_counter(path)
-            if value is not None:
+        for name, data in read_directory(port_dir / "hw_counters"):
+            value = parse_counter(data)
+            if value is not None and name not in HW_SETTINGS:
                 families.counter(
-                    f"hw_{_metric_name(path.name)}_total",
-                    f"Driver hardware counter hw_counters/{path.name} of the port (RoCE/mlx5).",
+                    f"hw_{_metric_name(name)}_total",
+                    f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
                     labels,
                     value,
                 )
@@ -233,17 +261,16 @@ class InfinibandCollector:
         known: dict[str, tuple[str, str]],
         unknown_prefix: str,
     ) -> None:
-        for path in _entries(directory):
-            value = read_counter(path)
+        for file_name, data in read_directory(directory):
+            value = parse_counter(data)
             if value is None:
                 continue
-            if path.name in WORD_COUNTERS:
+            if file_name in WORD_COUNTERS:
                 value *= 4
-            name, doc = known.get(
-                path.name,
-                (
-                    f"{unknown_prefix}{_metric_name(path.name)}_total",
-                    f"Port counter {directory.name}/{path.name}.",
-                ),
-            )
-            families.counter(name, doc, labels, value)
+            known_name = known.get(file_name)
+            if known_name is None:
+                known_name = (
+                    f"{unknown_prefix}{_metric_name(file_name)}_total",
+                    f"Port counter {directory.name}/{file_name}.",
+                )
+            families.counter(known_name[0], known_name[1], labels, value)

@@ -9,7 +9,9 @@ import logging
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
+
+from megatrace.exporters.exposition import render_text
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class MetricsHandler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            if content_type == CONTENT_TYPE_LATEST:
+                encoder = render_text
             try:
                 body = encoder(self.server.registry)
             except Exception:
