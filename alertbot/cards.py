@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 COLOURS = {"P0": "red", "P1": "orange", "P2": "yellow", "P3": "blue"}
 HIDDEN_LABELS = frozenset({"alertname", "severity"})
 CARD_LIMIT = 19 * 1024  # leaves room for the message envelope and signature within 20 KB
+MAX_URL = 1500
+WHERE_LABELS = ("job", "rank", "instance", "node", "gpu", "device")
 
 
 def _environment(loader: jinja2.BaseLoader) -> jinja2.Environment:
@@ -83,17 +85,19 @@ class CardRenderer:
         return card
 
     def _link_buttons(self, labels: dict[str, str], annotations: dict[str, str], row: Any) -> list[dict]:
-        buttons = []
-        if annotations.get("runbook_url"):
-            buttons.append({"text": "Runbook", "type": "primary", "url": annotations["runbook_url"]})
-        if self.links.grafana_url:
-            buttons.append({"text": "Grafana", "type": "default", "url": self.links.grafana_url})
-        if row["generator_url"]:
-            buttons.append({"text": "Prometheus", "type": "default", "url": row["generator_url"]})
+        """Runbook, Grafana, Prometheus and Silence buttons; URLs too long for a card are left out."""
+        candidates = [
+            ("Runbook", "primary", annotations.get("runbook_url", "")),
+            ("Grafana", "default", self.links.grafana_url),
+            ("Prometheus", "default", row["generator_url"]),
+        ]
         am = self.links.alertmanager_url or row["external_url"]
         if am:
-            buttons.append({"text": "Silence", "type": "danger", "url": silence_url(am, labels)})
-        return buttons
+            url = silence_url(am, labels)
+            if len(url) > MAX_URL:  # fall back to the labels that say where it is
+                url = silence_url(am, {k: v for k, v in labels.items() if k in ("alertname", *WHERE_LABELS)})
+            candidates.append(("Silence", "danger", url))
+        return [{"text": t, "type": k, "url": u} for t, k, u in candidates if u and len(u) <= MAX_URL]
 
     def alert_card(
         self, row: sqlite3.Row | dict, kind: str, ref: str, flap_hold_s: float, now: float
@@ -101,9 +105,7 @@ class CardRenderer:
         labels = json.loads(row["labels"])
         annotations = json.loads(row["annotations"])
         state = "RESOLVED" if kind == "resolved" else "FIRING"
-        where = ", ".join(
-            f"{k} {labels[k]}" for k in ("job", "rank", "instance", "node", "gpu", "device") if k in labels
-        )
+        where = ", ".join(f"{k} {labels[k]}" for k in WHERE_LABELS if k in labels)
 
         def context(budget: int) -> dict[str, Any]:
             return {

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 URGENT_ORDER = ("urgent_phone", "urgent_sms", "urgent_app")
 PHONED_KINDS = ("firing", "storm")
+SECOND, MINUTE = 1.25, 61.0
 REF = re.compile(r"megatrace ref [\w-]+")
 
 
@@ -83,15 +84,17 @@ class Delivery:
     # -- what to send -------------------------------------------------------------------------------
 
     def limits(self, row: Any) -> list[tuple[str, float, float]]:
+        """Sliding windows for a row's destination, padded (SECOND, MINUTE) so that network jitter
+        cannot make Feishu count more requests in its window than it allows."""
         d = self.cfg.delivery
         if row["channel"] == "bot":
             name = f"bot:{row['destination']}"
-            return [(name, d.bot_per_second, 1.0), (name, d.bot_per_minute, 60.0)]
+            return [(name, d.bot_per_second, SECOND), (name, d.bot_per_minute, MINUTE)]
         if row["channel"] in ("app", "urgent"):
-            app = [("app", d.app_per_second, 1.0), ("app", d.app_per_minute, 60.0)]
-            return app + (
-                [(f"chat:{row['destination']}", d.chat_per_second, 1.0)] * (row["channel"] == "app")
-            )
+            limits = [("app", d.app_per_second, SECOND), ("app", d.app_per_minute, MINUTE)]
+            if row["channel"] == "app":
+                limits.append((f"chat:{row['destination']}", d.chat_per_second, SECOND))
+            return limits
         return []
 
     def render(self, row: Any, now: float) -> dict[str, Any] | None:
