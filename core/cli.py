@@ -16,7 +16,12 @@ from megatrace import __version__
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
 
-COMMAND_MODULES: tuple[str, ...] = ("megatrace.exporters.cli", "megatrace.alertbot.command", "megatrace.analyzer.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "megatrace.exporters.cli",
+    "megatrace.alertbot.command",
+    "megatrace.analyzer.cli",
+    "megatrace.tracer.trace_command",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

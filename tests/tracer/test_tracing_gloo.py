@@ -1,0 +1,194 @@
+"""The tracer in real multi-process gloo jobs (world size 4, TP and DP subgroups made with new_group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatrace.tracer.dumpfile import read_dump
+from megatrace.tracer.ringfile import FLAG_ASYNC, OP_NAMES, RingSnapshot, comm_id, read_header, read_ring
+from tests.support.gloo_job import run_traced_job, start_traced_job
+from tests.tracer import ops_job
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent
+GROUPS = {
+    ops_job.WORLD: lambda rank: (0, 1, 2, 3),
+    ops_job.PAIRS: lambda rank: (rank // 2 * 2, rank // 2 * 2 + 1),
+    ops_job.EVEN_ODD: lambda rank: (rank % 2, rank % 2 + 2),
+}
+
+
+def wait_for(condition, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rings(job_dir: Path, world: int = 4) -> dict[int, RingSnapshot]:
+    return {rank: read_ring(job_dir / f"rank-{rank}.trace") for rank in range(world)}
+
+
+def assert_collectives_line_up(snaps: dict[int, RingSnapshot], cut_short: bool = False) -> int:
+    """Every (comm, seq) collective has one record per member rank, same op and bytes; returns count.
+
+    With `cut_short` (a killed job) members may lack the newest collectives; the rest must agree.
+    """
+    seen: dict[tuple[int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
+    for rank, snap in snaps.items():
+        for row in snap.records:
+            if OP_NAMES[int(row["op"])] in ("send", "recv"):
+                continue
+            key = (int(row["comm_id"]), int(row["seq"]))
+            assert rank not in seen[key], f"rank {rank} recorded {key} twice"
+            seen[key][rank] = (int(row["op"]), int(row["nbytes"]))
+    for (cid, seq), by_rank in seen.items():
+        members = snaps[next(iter(by_rank))].communicators[cid]
+        assert comm_id(members) == cid
+        if cut_short:
+            assert set(by_rank) <= set(members), f"comm {cid} seq {seq}: ranks {sorted(by_rank)}"
+        else:
+            assert sorted(by_rank) == list(members), f"comm {cid} seq {seq}: ranks {sorted(by_rank)}"
+        assert len(set(by_rank.values())) == 1, f"comm {cid} seq {seq}: {by_rank}"
+    return len(seen)
+
+
+ROOTS = {"broadcast": 1, "reduce": 2, "gather": 0, "scatter": 3}
+
+
+def expected_records(rank: int) -> list[tuple[str, tuple[int, ...], int, int, bool | None]]:
+    """(op, members, nbytes, peer, async) of each record rank `rank` should have from ops_job."""
+    expected = []
+    for op, group, nbytes, is_async in ops_job.CALLS:
+        members = GROUPS[group](rank)
+        other = members[1] if members[0] == rank else members[0]
+        if op == "send_recv":
+            expected.append(("send" if rank % 2 == 0 else "recv", members, nbytes, other, None))
+        elif op == "isend_irecv":
+            expected.append(("send" if rank < 2 else "recv", members, nbytes, other, True))
+        elif op == "batch":
+            expected.append(("send", members, nbytes, (rank + 1) % 4, True))
+            expected.append(("recv", members, nbytes, (rank - 1) % 4, True))
+        else:
+            expected.append((op, members, nbytes, ROOTS.get(op, -1), is_async))
+    return expected
+
+
+def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [
+        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "ops",
+        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", "4",
+        str(HERE / "ops_job.py"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    snaps = rings(tmp_path / "ops")
+    for rank, snap in snaps.items():
+        expected = expected_records(rank)
+        r = snap.records
+        assert [OP_NAMES[int(code)] for code in r["op"]] == [entry[0] for entry in expected]
+        for row, (_, members, nbytes, peer, is_async) in zip(r, expected, strict=True):
+            assert snap.communicators[int(row["comm_id"])] == members
+            assert (int(row["nbytes"]), int(row["rank"]), int(row["peer"])) == (nbytes, rank, peer)
+            assert row["complete_ns"] >= row["enqueue_ns"] > 0
+            if is_async is not None:  # sync send/recv are isend/irecv + wait in some torch versions
+                assert bool(row["flags"] & FLAG_ASYNC) == is_async
+        h = snap.header
+        assert h.finished and h.oldest_inflight_enqueue_ns == 0
+        assert h.calls_by_op["all_gather"] == 4 and h.bytes_by_op["all_reduce"] == 40 + 48 + 12
+        assert sum(h.calls_by_op.values()) == len(r)
+    assert assert_collectives_line_up(snaps) == 12 + 2 * 3 + 2 * 2  # world, 2 pair groups, 2 even/odd groups
+    exit_dumps = sorted((tmp_path / "ops").glob("rank-*.dump"))
+    assert len(exit_dumps) == 4 and all(read_dump(p).reason == "exit" for p in exit_dumps)
+
+
+def test_live_counters_signal_dump_and_killed_rank_leave_readable_files(tmp_path: Path) -> None:
+    with start_traced_job(tmp_path, steps=100000, env={"MEGATRACE_TRACE_STALL_MS": "60000"}) as (proc, job):
+        paths = [job / f"rank-{rank}.trace" for rank in range(4)]
+        wait_for(lambda: all(p.exists() for p in paths), what="ring files")
+        first = wait_for(lambda: (h := read_header(paths[3])).step_count >= 2 and h, what="two steps")
+        later = wait_for(
+            lambda: (h := read_header(paths[3])).step_count > first.step_count + 2 and h, what="more steps"
+        )
+        assert proc.poll() is None and not later.finished
+        assert later.calls_by_op["all_reduce"] > first.calls_by_op["all_reduce"]
+        assert later.bytes_by_op["all_reduce"] > first.bytes_by_op["all_reduce"]
+        assert later.last_enqueue_ns > first.last_enqueue_ns and later.wait_ns_total > first.wait_ns_total
+        assert later.last_step_ns > 0 and later.last_step_end_ns > first.last_step_end_ns
+        assert (later.world_size, later.local_rank, later.rank) == (4, 3, 3)
+
+        os.kill(later.pid, signal.SIGUSR1)
+        dump = wait_for(
+            lambda: [p for p in job.glob(f"rank-3.{later.pid}.*.dump") if read_dump(p).reason == "signal"],
+            what="signal dump",
+        )[0]
+        assert read_dump(dump).header.step_count >= later.step_count
+
+        os.kill(read_header(paths[1]).pid, signal.SIGKILL)
+        wait_for(lambda: proc.poll() is not None, what="job to end after a rank was killed")
+    snaps = rings(job)
+    assert all(not snap.header.finished for snap in snaps.values())
+    assert len(snaps[1].records) > 0 and assert_collectives_line_up(snaps, cut_short=True) > 10
+
+
+def test_injected_hang_dumps_on_every_rank_and_shows_who_never_entered(tmp_path: Path) -> None:
+    env = {
+        "MEGATRACE_FAULT_HANG_RANK": "2",
+        "MEGATRACE_FAULT_HANG_AT_STEP": "3",
+        "MEGATRACE_TRACE_STALL_MS": "1500",
+    }
+    job = run_traced_job(tmp_path, steps=50, env=env)
+    latest = {}
+    for path in job.glob("rank-*.dump"):
+        snap = read_dump(path)
+        if snap.reason == "stall" and snap.taken_ns > latest.get(snap.header.rank, (0, None))[0]:
+            latest[snap.header.rank] = (snap.taken_ns, snap)
+    assert sorted(latest) == [0, 1, 2, 3]
+    stuck = {}
+    for rank in (0, 1, 3):
+        snap = latest[rank][1]
+        inflight = snap.records[snap.records["complete_ns"] == 0]
+        assert len(inflight) == 1, f"rank {rank}"
+        stuck[rank] = (int(inflight["comm_id"][0]), int(inflight["seq"][0]))
+        assert snap.taken_ns - int(inflight["enqueue_ns"][0]) > 1_500_000_000
+        assert snap.header.oldest_inflight_enqueue_ns == int(inflight["enqueue_ns"][0])
+    (cid, seq), *_ = set(stuck.values())
+    assert len(set(stuck.values())) == 1 and 2 in latest[0][1].communicators[cid]
+    hung = latest[2][1]
+    assert np.all(hung.records["complete_ns"] > 0)
+    assert hung.header.step_count == 3
+    assert int(hung.records[hung.records["comm_id"] == cid]["seq"].max()) == seq - 1
+    assert all(not snap.header.finished for snap in rings(job).values())
+
+
+def test_injected_slow_rank_arrives_last_in_the_recorded_times(tmp_path: Path) -> None:
+    env = {
+        "MEGATRACE_FAULT_SLOW_RANK": "1",
+        "MEGATRACE_FAULT_SLOW_PCT": "400",
+        "NCCL_MEGATRACE_SENSTIME": "60000",
+    }
+    snaps = rings(run_traced_job(tmp_path, steps=12, env=env))
+    enqueue: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
+    for rank, snap in snaps.items():
+        for row in snap.records:
+            enqueue[(int(row["comm_id"]), int(row["seq"]))][rank] = int(row["enqueue_ns"])
+    with_slow = [by_rank for by_rank in enqueue.values() if 1 in by_rank and len(by_rank) > 1]
+    last_is_slow = sum(max(by_rank, key=by_rank.get) == 1 for by_rank in with_slow)
+    assert last_is_slow >= 0.8 * len(with_slow), (last_is_slow, len(with_slow))
+    waits = {rank: snap.header.wait_ns_total for rank, snap in snaps.items()}
+    assert waits[1] < min(waits[0], waits[2], waits[3])
