@@ -1,0 +1,210 @@
+"""Drill-down: trace directories confined to the configured roots, the analyzer run off the alert's
+path, Prometheus hints from a real Prometheus, and the verdict from real tracer dumps."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatrace.alertbot.drilldown import DrilldownRunner, prometheus_hints, resolve_trace_dir
+from megatrace.alertbot.service import Service
+from tests.alertbot.conftest import Bot, alert, config, webhook
+from tests.support.gloo_job import run_traced_job
+from tests.support.services import free_port, prometheus_argv, running
+
+STUB = """
+import json, pathlib, sys, time
+gate, report = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+while not gate.exists():
+    time.sleep(0.05)
+print(json.dumps({**json.loads(report.read_text()), "analyzed": sys.argv[3]}))
+"""
+
+
+def test_trace_dir_is_confined_to_the_roots(tmp_path: Path) -> None:
+    root = tmp_path / "traces"
+    (root / "llm-7").mkdir(parents=True)
+    outside = tmp_path / "secret"
+    outside.mkdir()
+    (root / "escape").symlink_to(outside)
+    (root / "inside-link").symlink_to(root / "llm-7")
+    roots = [str(root)]
+    assert resolve_trace_dir(roots, "llm-7") == (root / "llm-7").resolve()
+    assert resolve_trace_dir(roots, "inside-link") == (root / "llm-7").resolve()
+    for job in ("..", ".", "../secret", "/etc", "llm-7/../..", "", "a\x00b", "escape", "missing"):
+        assert resolve_trace_dir(roots, job) is None, job
+    assert resolve_trace_dir([str(tmp_path / "none"), str(root)], "llm-7") == (root / "llm-7").resolve()
+
+
+def stub_config(tmp_path: Path, report: dict) -> tuple:
+    root = tmp_path / "traces"
+    (root / "llm-7").mkdir(parents=True)
+    gate = tmp_path / "gate"
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    stub = tmp_path / "stub_analyzer.py"
+    stub.write_text(STUB)
+    command = [sys.executable, str(stub), str(gate), str(tmp_path / "report.json")]
+    cfg = config(
+        tmp_path, drilldown={"trace_roots": [str(root)], "analyzer_command": command, "timeout_s": 30}
+    )
+    return cfg, gate
+
+
+def test_alert_goes_out_before_the_drilldown_and_the_verdict_follows(tmp_path: Path) -> None:
+    report = {
+        "verdict": "hang",
+        "suspects": [
+            {
+                "rank": 5,
+                "kind": "hang",
+                "confidence": 0.9,
+                "evidence": "rank 5 never joined.",
+                "host": "gpu-9",
+            }
+        ],
+    }
+    cfg, gate = stub_config(tmp_path, report)
+    bot = Bot(cfg)
+    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+    bot.receive(webhook(alert(job="llm-7", rank="0"), alert(job="llm-7", rank="1")))
+    runner.submit_pending()
+    bot.drain()  # the analyzer is blocked on the gate: the alert is delivered regardless
+    assert [line["kind"] for line in bot.console()] == ["firing", "firing"]
+    assert len(bot.store.query("SELECT * FROM drilldowns")) == 1  # one per job, not per rank
+    gate.touch()
+    deadline = time.monotonic() + 30
+    while not bot.store.queue_depth() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bot.drain()
+    follow_up = bot.console()[-1]
+    assert follow_up["kind"] == "drilldown"
+    assert (
+        follow_up["card"]["header"]["title"]["content"]
+        == "[P0] DRILL-DOWN MegatraceRankHang job llm-7: rank 5"
+    )
+    text = follow_up["card"]["elements"][0]["text"]["content"]
+    assert "rank **5** on **gpu-9** (hang, confidence 90%): rank 5 never joined." in text
+    result = json.loads(bot.store.query("SELECT result FROM drilldowns")[0]["result"])
+    assert result["analyzed"] == str((tmp_path / "traces" / "llm-7").resolve())
+    runner.shutdown()
+
+
+def test_failing_analyzer_and_unknown_job_are_reported_not_raised(tmp_path: Path) -> None:
+    cfg, gate = stub_config(tmp_path, {"no": "verdict"})
+    gate.touch()
+    bot = Bot(cfg)
+    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+    bot.receive(webhook(alert(job="llm-7"), alert("MegatraceJobStalled", job="../../etc")))
+    for row in bot.store.pending_drilldowns():
+        runner.run(row["id"])
+    bot.drain()
+    texts = [
+        line["card"]["elements"][0]["text"]["content"]
+        for line in bot.console()
+        if line["kind"] == "drilldown"
+    ]
+    assert "Drill-down of job `llm-7` failed: the analyzer's report has no verdict/suspects" in texts[0]
+    assert "no trace directory for job '../../etc' under the configured trace roots" in texts[1]
+    assert bot.metrics.drilldowns.labels("error")._value.get() == 2
+
+
+class Exposition(http.server.BaseHTTPRequestHandler):
+    """Serves GPU and IB series of one node whose XID and link-down counters rise on every scrape."""
+
+    scrapes = 0
+
+    def do_GET(self) -> None:
+        Exposition.scrapes += 1
+        n = Exposition.scrapes
+        body = (
+            f'megatrace_gpu_xid_errors_total{{gpu="3",uuid="GPU-3",xid="79"}} {n}\n'
+            'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="hw_thermal_slowdown"} 1\n'
+            'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="sw_power_cap"} 0\n'
+            f'megatrace_infiniband_link_downed_total{{device="mlx5_1",port="1"}} {2 * n}\n'
+        ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def prometheus_with_node(tmp_path: Path) -> Iterator[str]:
+    node = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+    threading.Thread(target=node.serve_forever, daemon=True).start()
+    port = free_port()
+    cfg = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": "node", "static_configs": [{"targets": [f"127.0.0.1:{node.server_address[1]}"]}]}
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    argv = prometheus_argv(tmp_path / "prometheus.yml", tmp_path / "prom-data", port)
+    with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "prometheus.log"):
+        yield f"http://127.0.0.1:{port}"
+    node.shutdown()
+
+
+@pytest.mark.slow
+def test_prometheus_hints_for_the_suspect_node(prometheus_with_node: str) -> None:
+    hints: list[str] = []
+    deadline = time.monotonic() + 60
+    while len(hints) < 3 and time.monotonic() < deadline:
+        hints = prometheus_hints(prometheus_with_node, "127.0.0.1", 300)
+        time.sleep(0.5)
+    assert hints[0] == "GPU 3: clock event hw_thermal_slowdown in the last 5 min"
+    assert hints[1].startswith("GPU 3: ") and hints[1].endswith("XID 79 error(s) in the last 5 min")
+    assert hints[2].startswith("mlx5_1 port 1: link_downed_total +")
+    assert len(hints) == 3
+    assert prometheus_hints(prometheus_with_node, "gpu-unknown", 300) == []
+    assert prometheus_hints(prometheus_with_node, 'x"} or vector(1) #', 300) == []
+    unreachable = prometheus_hints(f"http://127.0.0.1:{free_port()}", "127.0.0.1", 300)
+    assert unreachable == ["Prometheus could not be asked about 127.0.0.1: ConnectionError"]
+
+
+@pytest.mark.slow
+def test_drilldown_names_the_hung_rank_from_real_tracer_dumps(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    run_traced_job(
+        traces,
+        nprocs=4,
+        steps=6,
+        env={
+            "MEGATRACE_FAULT_HANG_RANK": "2",
+            "MEGATRACE_FAULT_HANG_AT_STEP": "3",
+            "MEGATRACE_TRACE_JOB": "llm-7",
+        },
+    )
+    bot = Service(config(tmp_path, drilldown={"trace_roots": [str(traces)], "timeout_s": 120}))
+    bot.start()
+    try:
+        bot.store.add_inbox(
+            "webhook", json.dumps(webhook(alert("MegatraceJobStalled", job="llm-7"))), time.time()
+        )
+        bot.wake()
+        console = Path(bot.cfg.delivery.console_path)
+        deadline = time.monotonic() + 120
+        lines: list[dict] = []
+        while len(lines) < 2 and time.monotonic() < deadline:
+            lines = [json.loads(x) for x in console.read_text().splitlines()] if console.exists() else []
+            time.sleep(0.2)
+    finally:
+        bot.stop()
+    assert [line["kind"] for line in lines] == ["firing", "drilldown"]
+    card = lines[1]["card"]
+    assert card["header"]["title"]["content"] == "[P0] DRILL-DOWN MegatraceJobStalled job llm-7: rank 2"
+    text = card["elements"][0]["text"]["content"]
+    assert "**Verdict: hang** in job `llm-7`" in text and "rank **2** on **" in text
