@@ -34,6 +34,8 @@ class MetricsServer(ThreadingHTTPServer):
 class MetricsHandler(BaseHTTPRequestHandler):
     server: MetricsServer
     server_version = "megatrace-exporter"
+    protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection between scrapes
+    disable_nagle_algorithm = True  # headers and body go out at once, no delayed-ACK stall
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
