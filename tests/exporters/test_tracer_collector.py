@@ -14,6 +14,7 @@ from megatrace.exporters.tracer_files import TracerCollector, process_exists
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
 from tests.exporters.exposition import names, promtool_check, render, samples, value
+from tests.support.gloo_job import start_traced_job
 
 
 def start_rank(trace_dir: Path, job: str, rank: int, pid: int, local_rank: int | None = None) -> Recorder:
@@ -113,3 +114,38 @@ def test_missing_trace_dir_means_no_series(tmp_path: Path) -> None:
 @pytest.mark.parametrize("pid", [0, -5])
 def test_impossible_pids_are_not_processes(pid: int) -> None:
     assert not process_exists(pid)
+
+
+@pytest.mark.slow
+def test_real_gloo_job_live_then_finished(tmp_path: Path) -> None:
+    """Files written by the real tracer in a 4-rank gloo job: alive with progress, then finished."""
+    steps = 40
+    collector = TracerCollector(tmp_path)
+    with start_traced_job(tmp_path, nprocs=4, steps=steps) as (proc, job_dir):
+        deadline = time.monotonic() + 120
+        live: dict = {}
+        while proc.poll() is None and time.monotonic() < deadline:
+            text = render(collector)
+            alive = [
+                ls for (n, ls), v in samples(text).items() if n == "megatrace_tracer_rank_alive" and v == 1
+            ]
+            steps_seen = [v for (n, _), v in samples(text).items() if n == "megatrace_tracer_steps_total"]
+            if len(alive) == 4 and steps_seen and min(steps_seen) >= 1:
+                live = samples(text)
+                break
+            time.sleep(0.1)
+        assert live, "never saw all four ranks alive and stepping"
+        assert proc.wait(timeout=120) == 0
+
+    text = render(collector)
+    job = job_dir.name
+    for rank in range(4):
+        labels = {"job": job, "rank": str(rank)}
+        assert value(text, "megatrace_tracer_rank_alive", **labels) == 0
+        assert value(text, "megatrace_tracer_steps_total", **labels) == steps
+        assert value(text, "megatrace_tracer_collective_calls_total", **labels, op="all_reduce") > 0
+        assert value(text, "megatrace_tracer_collective_bytes_total", **labels, op="all_reduce") > 0
+        assert value(text, "megatrace_tracer_oldest_inflight_seconds", **labels) == 0
+        assert value(text, "megatrace_tracer_rank_info", **labels, world_size="4") == 1
+    result = promtool_check(text)
+    assert result.returncode == 0, result.stdout + result.stderr
