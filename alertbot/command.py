@@ -95,12 +95,20 @@ def run_report(args: argparse.Namespace) -> int:
         cfg.report.directory = str(Path(args.output).parent)
     service = Service(cfg)
     service.httpd.server_close()
-    summary = service.queue_report(since, until)
+    summary = service.queue_report(since, until, on_demand=True)
     deadline = time.monotonic() + 120
-    while service.store.queue_depth() and time.monotonic() < deadline:
+
+    def undelivered() -> int:
+        rows = [service.store.outbox_row(i) for i in summary["outbox"]]
+        return sum(1 for row in rows if row["state"] in ("pending", "sending"))
+
+    while undelivered() and time.monotonic() < deadline:
         service.delivery.deliver_due()
         time.sleep(0.2)
-    left = service.store.queue_depth()
+    left = undelivered()
+    dead = [i for i in summary["outbox"] if service.store.outbox_row(i)["state"] == "dead"]
     service.store.close()
-    print(json.dumps({"path": summary["path"], "episodes": summary["total"], "undelivered": left}))
-    return 1 if left else 0
+    print(
+        json.dumps({"path": summary["path"], "episodes": summary["total"], "undelivered": left + len(dead)})
+    )
+    return 1 if left or dead else 0

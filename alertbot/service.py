@@ -115,8 +115,10 @@ class Service:
         until = datetime.now(zone).replace(hour=0, minute=0, second=0, microsecond=0)
         self.queue_report(until - timedelta(days=7), until)
 
-    def queue_report(self, since: datetime, until: datetime) -> dict[str, Any]:
-        """Write the workbook for [since, until) and queue it (file + summary card) for delivery."""
+    def queue_report(self, since: datetime, until: datetime, on_demand: bool = False) -> dict[str, Any]:
+        """Write the workbook for [since, until) and queue it (file + summary card) for delivery;
+        the summary's ``outbox`` lists the queued notification ids. The scheduled report of a period
+        is sent once however often the job fires; an on-demand one is sent every time."""
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(self.cfg.report.directory) / name
         summary = build_report(
@@ -129,7 +131,7 @@ class Service:
         )
         card = self.renderer.report_card(summary)
         now = time.time()
-        ref = f"{since.timestamp():.0f}-{until.timestamp():.0f}"
+        ref = f"{since.timestamp():.0f}-{until.timestamp():.0f}" + (f"@{now}" if on_demand else "")
         chat = self.cfg.report.chat
         messages = (
             [
@@ -141,8 +143,9 @@ class Service:
                 ("report", "console", "report", {"msg_type": "interactive", "card": card, "path": str(path)})
             ]
         )
+        summary["outbox"] = []
         for kind, channel, destination, payload in messages:
-            self.store.enqueue(
+            queued = self.store.enqueue(
                 {
                     "kind": kind,
                     "channel": channel,
@@ -154,6 +157,8 @@ class Service:
                     "payload": json.dumps(payload, ensure_ascii=False),
                 }
             )
+            if queued is not None:
+                summary["outbox"].append(queued)
         self.wake()
         log.info("weekly report %s written (%d episodes)", path, summary["total"])
         return summary

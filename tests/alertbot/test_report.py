@@ -1,0 +1,231 @@
+"""The weekly report workbook, checked cell by cell, and `megatrace alertbot report` (with --send)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import zipfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import openpyxl
+import pytest
+import yaml
+
+from megatrace.alertbot.report import build_report
+from megatrace.cli import main
+from tests.alertbot.conftest import TOKEN, Bot, alert, config, webhook
+from tests.support.feishu_server import FeishuServer
+
+
+def at(day: int, hour: int, minute: int = 0) -> float:
+    return datetime(2026, 11, day, hour, minute, tzinfo=UTC).timestamp()
+
+
+def fill(bot: Bot) -> None:
+    """Five episodes in the week of 2026-11-16 (Monday) and one after it."""
+    episodes = [
+        (
+            alert("MegatraceRankHang", starts_at=at(16, 10), job="llm", rank="3", instance="gpu-1:9450"),
+            at(16, 10, 30),
+        ),
+        (alert("GpuThrottled", starts_at=at(17, 8), severity="P2", instance="gpu-2:9450"), at(17, 9)),
+        (alert("GpuThrottled", starts_at=at(17, 12), severity="P2", instance="gpu-2:9450"), at(17, 12, 10)),
+        (
+            alert(
+                "MegatraceSlowRank",
+                starts_at=at(19, 14),
+                severity="P1",
+                job="llm",
+                rank="5",
+                instance="gpu-1:9450",
+            ),
+            None,
+        ),
+        (alert("NodeInfo", starts_at=at(22, 23), severity="info", node="gpu-3"), None),
+        (alert("MegatraceRankHang", starts_at=at(23, 1), job="other", instance="gpu-9:9450"), None),
+    ]
+    for item, ends in episodes:
+        start = item["startsAt"]
+        first = datetime.fromisoformat(start.replace("Z", "+00:00")).timestamp()
+        bot.receive(webhook(item), first + 5)
+        if ends is not None:
+            bot.receive(
+                webhook(
+                    {**item, "status": "resolved", "endsAt": datetime.fromtimestamp(ends, UTC).isoformat()}
+                ),
+                ends,
+            )
+
+
+def values(sheet) -> list[list]:
+    rows = []
+    for row in sheet.iter_rows(values_only=True):
+        row = list(row)
+        while row and row[-1] is None:
+            row.pop()
+        rows.append(row)
+    return rows
+
+
+def test_workbook_cell_by_cell(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    fill(bot)
+    path = tmp_path / "week.xlsx"
+    summary = build_report(bot.store, at(16, 0), at(23, 0), path, top_n=10)
+    book = openpyxl.load_workbook(path)
+    assert book.sheetnames == ["Summary", "Detail"]
+    assert values(book["Summary"]) == [
+        ["Megatrace alert report"],
+        ["From", datetime(2026, 11, 16), "Until", datetime(2026, 11, 23), "Time zone", "UTC"],
+        [],
+        ["Day", "P0", "P1", "P2", "P3", "Total"],
+        ["2026-11-16", 1, 0, 0, 0, 1],
+        ["2026-11-17", 0, 0, 2, 0, 2],
+        ["2026-11-18", 0, 0, 0, 0, 0],
+        ["2026-11-19", 0, 1, 0, 0, 1],
+        ["2026-11-20", 0, 0, 0, 0, 0],
+        ["2026-11-21", 0, 0, 0, 0, 0],
+        ["2026-11-22", 0, 0, 0, 1, 1],
+        ["Total", 1, 1, 2, 1, 5],
+        [],
+        ["Top recurring alerts", "Episodes"],
+        ["GpuThrottled", 2],
+        ["MegatraceRankHang", 1],
+        ["MegatraceSlowRank", 1],
+        ["NodeInfo", 1],
+        [],
+        ["Top nodes", "Episodes"],
+        ["gpu-1", 2],
+        ["gpu-2", 2],
+        ["gpu-3", 1],
+        [],
+        ["Time to resolve", "Resolved", "Median minutes", "90th percentile minutes", "Unresolved"],
+        ["P0", 1, 30.0, 30.0, 0],
+        ["P1", 0, None, None, 1],
+        ["P2", 2, 35.0, 60.0, 0],
+        ["P3", 0, None, None, 1],
+    ]
+    detail = values(book["Detail"])
+    assert detail[0][:8] == [
+        "Episode",
+        "Alert",
+        "Level",
+        "Severity label",
+        "Status",
+        "Started",
+        "Ended",
+        "Minutes to resolve",
+    ]
+    assert len(detail) == 6
+    assert detail[1][1:] == [
+        "MegatraceRankHang", "P0", "P0", "resolved", datetime(2026, 11, 16, 10), datetime(2026, 11, 16, 10, 30),
+        30.0, "llm", "gpu-1", "MegatraceRankHang on gpu-1:9450", 0, None, None, 0, detail[1][-1],
+    ]  # fmt: skip
+    assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][11] == 1  # the recurrence
+    assert detail[4][4:8] == ["firing", datetime(2026, 11, 19, 14), None, None]
+    assert detail[5][2:4] == ["P3", "info"] and detail[5][9] == "gpu-3"
+    assert summary["total"] == 5 and summary["by_level"] == [("P0", 1), ("P1", 1), ("P2", 2), ("P3", 1)]
+    assert summary["mttr"] == "30.0 min"
+
+
+def test_workbook_has_the_stacked_chart(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    fill(bot)
+    path = tmp_path / "week.xlsx"
+    build_report(bot.store, at(16, 0), at(23, 0), path)
+    with zipfile.ZipFile(path) as archive:
+        chart_xml = archive.read("xl/charts/chart1.xml").decode()
+    assert '<grouping val="stacked" />' in chart_xml
+    formulas = re.findall(r"<f>([^<]*)</f>", chart_xml)
+    levels = ["B", "C", "D", "E"]  # one series per level: title cell, categories (days), values
+    assert formulas == [
+        f
+        for col in levels
+        for f in (f"'Summary'!{col}4", "'Summary'!$A$5:$A$11", f"'Summary'!${col}$5:${col}$11")
+    ]
+
+
+def write_config(tmp_path: Path, **extra: object) -> Path:
+    cfg = {
+        "auth": {"bearer_token": TOKEN},
+        "store": {"path": str(tmp_path / "bot.db")},
+        "delivery": {"console_path": str(tmp_path / "console.jsonl")},
+        "report": {"directory": str(tmp_path / "reports")},
+        **extra,
+    }
+    path = tmp_path / "bot.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_report_command_writes_the_workbook(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bot = Bot(config(tmp_path))
+    fill(bot)
+    bot.store.close()
+    cfg = write_config(tmp_path)
+    out = tmp_path / "out.xlsx"
+    argv = [
+        "alertbot",
+        "report",
+        "--config",
+        str(cfg),
+        "--since",
+        "2026-11-16",
+        "--until",
+        "2026-11-23",
+        "--output",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"path": str(out), "episodes": 5}
+    assert openpyxl.load_workbook(out)["Summary"]["F12"].value == 5
+    assert main([*argv[:5], "2026-11-23", "--until", "2026-11-16"]) == 2
+
+
+def test_report_is_sent_to_feishu_as_file_and_card(tmp_path: Path, feishu: FeishuServer, capsys) -> None:
+    bot = Bot(config(tmp_path))
+    fill(bot)
+    bot.store.close()
+    cfg = write_config(
+        tmp_path,
+        feishu={"base_url": feishu.url, "app": {"app_id": feishu.app_id, "app_secret": feishu.app_secret}},
+        report={"directory": str(tmp_path / "reports"), "chat": "oc_reports"},
+    )
+    assert (
+        main(
+            [
+                "alertbot",
+                "report",
+                "--config",
+                str(cfg),
+                "--since",
+                "2026-11-16",
+                "--until",
+                "2026-11-23",
+                "--send",
+            ]
+        )
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["episodes"] == 5 and result["undelivered"] == 0
+    (upload,) = feishu.select("file")
+    assert (
+        upload.body["file_type"] == "xls"
+        and upload.body["file_name"] == "megatrace-alerts-20261116-20261123.xlsx"
+    )
+    sent_book = openpyxl.load_workbook(io.BytesIO(upload.body["data"]))
+    assert sent_book["Summary"]["F12"].value == 5
+    file_message, card = feishu.messages("oc_reports")
+    assert file_message.body["msg_type"] == "file" and file_message.body["content"] == {
+        "file_key": upload.key
+    }
+    assert card.body["msg_type"] == "interactive"
+    assert (
+        card.body["content"]["header"]["title"]["content"]
+        == "Megatrace weekly alert report 2026-11-16 – 2026-11-22"
+    )
+    text = card.body["content"]["elements"][0]["text"]["content"]
+    assert "**5 alert episodes**" in text and "P2: 2" in text and "- GpuThrottled: 2" in text
