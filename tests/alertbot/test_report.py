@@ -15,7 +15,7 @@ import yaml
 
 from megatrace.alertbot.report import build_report
 from megatrace.cli import main
-from tests.alertbot.conftest import TOKEN, Bot, alert, config, webhook
+from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
 from tests.support.feishu_server import FeishuServer
 
 
@@ -119,9 +119,17 @@ def test_workbook_cell_by_cell(tmp_path: Path) -> None:
         "Minutes to resolve",
     ]
     assert len(detail) == 6
+    hang_labels = {
+        "alertname": "MegatraceRankHang",
+        "severity": "P0",
+        "job": "llm",
+        "rank": "3",
+        "instance": "gpu-1:9450",
+    }
     assert detail[1][1:] == [
-        "MegatraceRankHang", "P0", "P0", "resolved", datetime(2026, 11, 16, 10), datetime(2026, 11, 16, 10, 30),
-        30.0, "llm", "gpu-1", "MegatraceRankHang on gpu-1:9450", 0, None, None, 0, detail[1][-1],
+        "MegatraceRankHang", "P0", "P0", "resolved",
+        datetime(2026, 11, 16, 10), datetime(2026, 11, 16, 10, 30), 30.0,
+        "llm", "gpu-1", "MegatraceRankHang on gpu-1:9450", 0, None, None, 0, fingerprint(hang_labels),
     ]  # fmt: skip
     assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][11] == 1  # the recurrence
     assert detail[4][4:8] == ["firing", datetime(2026, 11, 19, 14), None, None]
