@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from megatrace.analyzer.layout import LayoutConfig
 from megatrace.exporters.settings import ExporterConfig
 from megatrace.stack_config import StackConfig
 from megatrace.tracer.settings import FaultSettings, TraceSettings
+from tests.support.services import require_binary
 from tests.test_helm import load_schema, schema_paths
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -144,3 +146,32 @@ def test_links_lead_to_existing_files_and_headings(name: str) -> None:
                 if line.startswith("#")
             ]
             assert anchor in headings, f"{name}: link to missing heading {target}"
+
+
+def test_native_alertmanager_snippet_in_install_doc_is_valid(tmp_path: Path) -> None:
+    """The receiver/route for Alertmanager without the AlertmanagerConfig passes `amtool check-config`."""
+    text = (DOCS / "install.md").read_text()
+    blocks = [block for block in re.findall(r"```yaml\n(.*?)```", text, re.S) if "webhook_configs" in block]
+    assert len(blocks) == 1
+    snippet = yaml.safe_load(blocks[0])
+    token = tmp_path / "webhook-token"
+    token.write_text("t0ken")
+    (receiver,) = snippet["receivers"]
+    receiver["webhook_configs"][0]["http_config"]["authorization"]["credentials_file"] = str(token)
+    config = {
+        "route": {"receiver": "default", "routes": snippet["route"]["routes"]},
+        "receivers": [{"name": "default"}, receiver],
+    }
+    path = tmp_path / "alertmanager.yml"
+    path.write_text(yaml.safe_dump(config))
+    amtool = require_binary("amtool")
+    done = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    def receivers(*labels: str) -> str:
+        argv = [amtool, "config", "routes", "test", f"--config.file={path}", *labels]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+
+    assert receivers("alertname=MegatraceJobStalled", "job=llama", "severity=P0") == "megatrace-alertbot"
+    assert receivers("alertname=MegatraceGpuLost", "severity=P3") == "megatrace-alertbot"
+    assert receivers("alertname=Watchdog", "severity=none") == "default"
