@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 from pathlib import Path
+from typing import Any
 
-from megatrace.config import ConfigError, load_config
+from megatrace.config import ConfigError, env_overrides, merge, read_yaml, validate
 from megatrace.logsetup import register_secret
 
 LEVELS = ("P0", "P1", "P2", "P3")
@@ -228,7 +229,31 @@ def check(cfg: AlertbotConfig, source: str) -> AlertbotConfig:
     return cfg
 
 
+def _upper_levels(data: dict[str, Any]) -> dict[str, Any]:
+    """Level-keyed maps with upper-case keys (environment variable names arrive lower-cased)."""
+    feishu = data.get("feishu")
+    if not isinstance(feishu, dict):
+        return data
+    feishu = dict(feishu)
+    if isinstance(feishu.get("group_bots"), dict):
+        feishu["group_bots"] = {str(k).upper(): v for k, v in feishu["group_bots"].items()}
+    app = feishu.get("app")
+    if isinstance(app, dict) and isinstance(app.get("chats"), dict):
+        feishu["app"] = {**app, "chats": {str(k).upper(): v for k, v in app["chats"].items()}}
+    return {**data, "feishu": feishu}
+
+
 def load(path: str | Path | None, overrides: dict | None = None) -> AlertbotConfig:
-    """Load and check the alert bot configuration (file, then environment, then `overrides`)."""
-    cfg = load_config(AlertbotConfig, path, env_prefix=ENV_PREFIX, overrides=overrides)
-    return check(cfg, str(path) if path else "configuration")
+    """Load and check the alert bot configuration (file, then environment, then `overrides`);
+    the same steps as `megatrace.config.load_config`, with level keys (P0..P3) case-insensitive."""
+    data = _upper_levels(read_yaml(path)) if path is not None else {}
+    sources = [str(path)] if path is not None else []
+    from_env = env_overrides(ENV_PREFIX)
+    if from_env:
+        data = merge(data, _upper_levels(from_env))
+        sources.append(f"environment {ENV_PREFIX}*")
+    if overrides:
+        data = merge(data, overrides)
+        sources.append("command line")
+    source = " + ".join(sources) or "defaults"
+    return check(validate(AlertbotConfig, data, source), source)

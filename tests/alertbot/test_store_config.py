@@ -1,0 +1,133 @@
+"""The SQLite store (WAL, migrations, retention, in-doubt sends) and configuration checks."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from megatrace.alertbot.config import load
+from megatrace.alertbot.store import MIGRATIONS, Store
+from megatrace.config import ConfigError
+from megatrace.logsetup import setup_logging
+from tests.alertbot.conftest import Bot, alert, config, webhook
+from tests.support.feishu_server import FeishuServer
+
+T0 = 1_790_000_000.0
+
+
+def test_store_is_wal_and_migrated_once(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db" / "bot.db")
+    assert store.journal_mode() == "wal"
+    assert store.schema_version() == len(MIGRATIONS)
+    store.add_inbox("webhook", "{}", T0)
+    store.close()
+    again = Store(tmp_path / "db" / "bot.db")
+    assert again.schema_version() == len(MIGRATIONS)
+    assert len(again.query("SELECT * FROM inbox")) == 1
+    assert [r[0] for r in again.query("SELECT version FROM schema_version")] == list(
+        range(1, len(MIGRATIONS) + 1)
+    )
+
+
+def test_store_refuses_a_newer_schema(tmp_path: Path) -> None:
+    store = Store(tmp_path / "bot.db")
+    store.execute("INSERT INTO schema_version (version) VALUES (?)", (len(MIGRATIONS) + 1,))
+    store.close()
+    with pytest.raises(RuntimeError, match="newer than this bot"):
+        Store(tmp_path / "bot.db")
+
+
+def test_failed_transaction_leaves_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "bot.db")
+    with pytest.raises(ZeroDivisionError), store.transaction():
+        store.add_inbox("webhook", "{}", T0)
+        _ = 1 / 0
+    assert store.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
+
+
+def test_retention_deletes_finished_history_only(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert(job="old", starts_at=T0)), T0)
+    bot.receive(webhook(alert(job="old", status="resolved", starts_at=T0, ends_at=T0 + 60)), T0 + 60)
+    bot.drain()
+    bot.receive(webhook(alert(job="open", starts_at=T0)), T0)  # still firing: kept
+    bot.store.execute("UPDATE outbox SET not_before = 1e12 WHERE state = 'pending'")  # undelivered: kept
+    counts = bot.store.purge(T0 + 86400)
+    assert counts["episodes"] == 1 and counts["outbox"] == 2 and counts["inbox"] == 3
+    left = bot.store.query("SELECT labels FROM episodes")
+    assert [json.loads(r["labels"])["job"] for r in left] == ["open"]
+    assert bot.store.queue_depth() == 1
+
+
+def test_in_doubt_group_bot_post_is_checked_in_chat_history(tmp_path: Path, feishu: FeishuServer) -> None:
+    hook = feishu.add_bot(chat_id="oc_group")
+    cfg = config(
+        tmp_path,
+        feishu={
+            "base_url": feishu.url,
+            "group_bots": {
+                "P0": {"webhook": hook, "chat_id": "oc_group"},
+                "P1": {"webhook": feishu.add_bot()},
+            },
+            "app": {"app_id": feishu.app_id, "app_secret": feishu.app_secret},
+        },
+    )
+    bot = Bot(cfg)
+    bot.receive(webhook(alert(job="a"), alert("MegatraceSlowRank", severity="P1", job="b")))
+    rows = bot.store.due_outbox(1e12)
+    for row in rows:  # the process "dies" after starting both sends; only the P0 one reached Feishu
+        message = bot.delivery.render(row, T0)
+        bot.store.begin_attempt(row["id"], T0, message)
+        if row["level"] == "P0":
+            assert bot.delivery.send(row, message).ok
+    assert bot.delivery.recover() == 2
+    states = {r["level"]: r["state"] for r in bot.store.query("SELECT * FROM outbox")}
+    assert states == {"P0": "sent", "P1": "pending"}  # P1's bot has no chat_id: re-sent (at least once)
+    bot.drain()
+    assert len(feishu.bot_posts(hook)) == 1 and len(feishu.bot_posts()) == 2
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bot.yaml"
+    path.write_text("listen: 127.0.0.1:9451\n")
+    with pytest.raises(ConfigError, match="key 'auth'"):
+        load(path)
+    path.write_text("auth: {bearer_token: tok-1234}\nfeishu: {group_bots: {P9: {webhook: http://x}}}\n")
+    with pytest.raises(ConfigError, match=r"key 'feishu.group_bots.P9': not a level"):
+        load(path)
+    path.write_text("auth: {bearer_token: tok-1234}\ndedupe: {storm_threshold: many}\n")
+    with pytest.raises(ConfigError, match=r"key 'dedupe.storm_threshold'"):
+        load(path)
+    path.write_text("auth: {bearer_token: tok-1234}\ndrilldown: {trace_roots: [relative/dir]}\n")
+    with pytest.raises(ConfigError, match="not an absolute path"):
+        load(path)
+    path.write_text("auth: {bearer_token: tok-1234}\nfeishu: {app: {oncall: [ou_x]}}\n")
+    with pytest.raises(ConfigError, match="phoning needs"):
+        load(path)
+    path.write_text("auth: {bearer_token: tok-1234}\nlisten: nowhere\n")
+    with pytest.raises(ConfigError, match="key 'listen'"):
+        load(path)
+
+
+def test_environment_overrides_and_secrets_never_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "bot.yaml"
+    path.write_text(
+        "auth: {bearer_token: from-file-token}\nfeishu: {group_bots: {P0: {webhook: 'http://h/hook/abc123def'}}}\n"
+    )
+    monkeypatch.setenv("MEGATRACE_ALERTBOT_AUTH__BEARER_TOKEN", "env-token-5678")
+    monkeypatch.setenv("MEGATRACE_ALERTBOT_FEISHU__GROUP_BOTS__P0__SECRET", "sign-secret-9")
+    cfg = load(path)
+    assert cfg.auth.bearer_token == "env-token-5678" and cfg.feishu.group_bots["P0"].secret == "sign-secret-9"
+    stream = io.StringIO()
+    setup_logging("info", "text", stream)
+    logging.getLogger("megatrace.alertbot.test").info(
+        "token env-token-5678 secret sign-secret-9 hook abc123def"
+    )
+    assert stream.getvalue().count("***") == 3
+    assert "env-token-5678" not in stream.getvalue() and "abc123def" not in stream.getvalue()
