@@ -6,7 +6,6 @@ counters) and the step counter. Imports no torch, so the record path can be meas
 
 from __future__ import annotations
 
-import threading
 import time
 
 from megatrace.tracer.ringfile import (
@@ -28,7 +27,10 @@ class Recorder:
     """Per-rank recording state on top of a `RingWriter`.
 
     Collectives number per communicator; point-to-point ops number per (communicator, peer,
-    direction), so a rank's n-th send to P matches P's n-th receive from it.
+    direction), so a rank's n-th send to P matches P's n-th receive from it. No locks: `end` may run
+    on a completion thread; the in-flight dict operations are atomic under the GIL, and the header's
+    oldest-in-flight words, which a badly timed pair of threads could leave stale, are rewritten by
+    the watchdog on every tick.
     """
 
     def __init__(self, writer: RingWriter, rank: int) -> None:
@@ -38,7 +40,6 @@ class Recorder:
         self.seq: dict[int, int] = {}
         self.p2p_seq: dict[tuple[int, int, int], int] = {}
         self.inflight: dict[int, tuple[int, int]] = {}
-        self.lock = threading.Lock()
         self.step = 0
         self.step_start_ns = _clock()
         self.calls = 0
@@ -54,32 +55,35 @@ class Recorder:
             self.seq[cid] = seq + 1
         self.calls += 1
         now = _clock()
-        with self.lock:
-            serial = self.writer.append(cid, seq, op, nbytes, dtype, peer, now, self.step, flags, self.rank)
-            if not self.inflight:
-                self.header[W_OLDEST_INFLIGHT_ENQUEUE_NS] = now
-                self.header[W_OLDEST_INFLIGHT_OP] = op
-            self.inflight[serial] = (now, op)
+        serial = self.writer.append(cid, seq, op, nbytes, dtype, peer, now, self.step, flags, self.rank)
+        inflight = self.inflight
+        inflight[serial] = (now, op)
+        if len(inflight) == 1:
+            self.header[W_OLDEST_INFLIGHT_ENQUEUE_NS] = now
+            self.header[W_OLDEST_INFLIGHT_OP] = op
         return serial
 
     def end(self, serial: int) -> None:
         """Mark op `serial` completed now (from the issuing thread or a completion callback)."""
         now = _clock()
+        started = self.inflight.pop(serial, None)
+        if started is None:
+            return
+        self.writer.complete(serial, now)
         header = self.header
-        with self.lock:
-            started = self.inflight.pop(serial, None)
-            if started is None:
-                return
-            self.writer.complete(serial, now)
-            header[W_LAST_COMPLETE_NS] = now
-            header[W_WAIT_NS_TOTAL] += now - started[0]
-            if self.inflight:
-                enqueue_ns, op = next(iter(self.inflight.values()))
-                header[W_OLDEST_INFLIGHT_ENQUEUE_NS] = enqueue_ns
-                header[W_OLDEST_INFLIGHT_OP] = op
-            else:
-                header[W_OLDEST_INFLIGHT_ENQUEUE_NS] = 0
-                header[W_OLDEST_INFLIGHT_OP] = 0
+        header[W_LAST_COMPLETE_NS] = now
+        header[W_WAIT_NS_TOTAL] += now - started[0]
+        self.refresh_oldest()
+
+    def refresh_oldest(self) -> None:
+        """Write the oldest in-flight op into the header (also run by the watchdog, to repair races)."""
+        header = self.header
+        try:
+            enqueue_ns, op = next(iter(self.inflight.values()))
+        except (StopIteration, RuntimeError):
+            enqueue_ns = op = 0
+        header[W_OLDEST_INFLIGHT_ENQUEUE_NS] = enqueue_ns
+        header[W_OLDEST_INFLIGHT_OP] = op
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import struct
 import time
 from pathlib import Path
 
@@ -39,7 +40,6 @@ W_LOCAL_RANK = 9
 W_WORLD_SIZE = 10
 W_PID = 11
 W_START_TIME_NS = 12
-W_WRITE_COUNT = 13
 W_WAIT_NS_TOTAL = 14
 W_LAST_ENQUEUE_NS = 15
 W_LAST_COMPLETE_NS = 16
@@ -71,6 +71,8 @@ RECORD_DTYPE = np.dtype(
     }
 )  # fmt: skip
 RECORD_WORDS = RECORD_SIZE // 8
+# The same layout for the writer: one pack_into per record (the serial packed as 0, committed after).
+RECORD_STRUCT = struct.Struct("<QQqQqqqiiBBB5x")
 # Word/int32/byte positions of fields inside one record, for the writer's memoryviews.
 R_SERIAL, R_COMM_ID, R_SEQ, R_NBYTES, R_ENQUEUE_NS, R_COMPLETE_NS, R_STEP = range(7)
 R_RANK_I32, R_PEER_I32 = 14, 15
@@ -228,6 +230,7 @@ class RingWriter:
         self.rec_q = records.cast("q")
         self.rec_i = records.cast("i")
         self.rec_b = records
+        self._pack = RECORD_STRUCT.pack_into
         self._write_identity(identity)
         os.replace(tmp, self.path)
         self.serial = 0
@@ -275,25 +278,24 @@ class RingWriter:
         serial = self.serial + 1
         self.serial = serial
         slot = (serial - 1) % self.capacity
-        q = self.rec_q
-        w = slot * RECORD_WORDS
-        q[w] = 0
-        q[w + R_COMM_ID] = cid
-        q[w + R_SEQ] = seq
-        q[w + R_NBYTES] = nbytes
-        q[w + R_ENQUEUE_NS] = enqueue_ns
-        q[w + R_COMPLETE_NS] = 0
-        q[w + R_STEP] = step
-        i = slot * (RECORD_SIZE // 4)
-        self.rec_i[i + R_RANK_I32] = rank
-        self.rec_i[i + R_PEER_I32] = peer
-        b = slot * RECORD_SIZE
-        self.rec_b[b + R_OP_BYTE] = op
-        self.rec_b[b + R_DTYPE_BYTE] = dtype
-        self.rec_b[b + R_FLAGS_BYTE] = flags
-        q[w] = serial
+        self._pack(
+            self.rec_b,
+            slot * RECORD_SIZE,
+            0,
+            cid,
+            seq,
+            nbytes,
+            enqueue_ns,
+            0,
+            step,
+            rank,
+            peer,
+            op,
+            dtype,
+            flags,
+        )
+        self.rec_q[slot * RECORD_WORDS] = serial
         h = self.header
-        h[W_WRITE_COUNT] = serial
         h[W_CALLS_BY_OP + op] += 1
         h[W_BYTES_BY_OP + op] += nbytes
         h[W_LAST_ENQUEUE_NS] = enqueue_ns
@@ -348,7 +350,7 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
         last_step_end_ns=int(words[W_LAST_STEP_END_NS]),
         finished=bool(words[W_FINISHED]),
         capacity=int(words[W_CAPACITY]),
-        records_written=int(words[W_WRITE_COUNT]),
+        records_written=int(sum(words[W_CALLS_BY_OP : W_CALLS_BY_OP + MAX_OPS])),
         dumps_written=int(words[W_DUMPS_WRITTEN]),
     )
 

@@ -80,12 +80,13 @@ class Tracer:
                 start_time_ns=time.time_ns(),
             )
             writer = RingWriter(ring_path(self.job_dir, rank), identity, capacity=self.settings.capacity)
+            recorder = Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
-            self.watchdog = Watchdog(writer, self.job_dir, rank, self.settings.stall_ms * 1_000_000)
+            self.watchdog = Watchdog(recorder, self.job_dir, rank, self.settings.stall_ms * 1_000_000)
             self.watchdog.start_thread()
             self._register_step_hook()
-            self.recorder = Recorder(writer, rank)
+            self.recorder = recorder
             log.info("megatrace tracer: rank %d records to %s", rank, writer.path)
         return self.recorder
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatrace.tracer.dumpfile import dump_path, write_dump
+from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     W_DUMPS_WRITTEN,
     W_FINISHED,
@@ -24,7 +25,6 @@ from megatrace.tracer.ringfile import (
     W_LAST_ENQUEUE_NS,
     W_LAST_STEP_END_NS,
     W_OLDEST_INFLIGHT_ENQUEUE_NS,
-    RingWriter,
     read_ring,
 )
 
@@ -45,8 +45,9 @@ def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
 class Watchdog:
     """Watches one rank's ring header and writes dumps into the job folder."""
 
-    def __init__(self, writer: RingWriter, job_dir: Path, rank: int, stall_ns: int) -> None:
-        self.writer = writer
+    def __init__(self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int) -> None:
+        self.recorder = recorder
+        self.writer = recorder.writer
         self.job_dir = job_dir
         self.rank = rank
         self.stall_ns = stall_ns
@@ -58,6 +59,9 @@ class Watchdog:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._thread = threading.Thread(target=self._run, name="megatrace-watchdog", daemon=True)
+        self._hooked = False
+        self._previous_sigusr1: object = None
+        self._restore_wakeup_fd = False
 
     def start_thread(self) -> None:
         """Start watching; hook SIGUSR1 when called from the main thread."""
@@ -72,6 +76,7 @@ class Watchdog:
             old_fd = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
             if old_fd == -1:
                 via_wakeup_fd = True
+                self._restore_wakeup_fd = True
             else:
                 signal.set_wakeup_fd(old_fd)
         wake_w = self._wake_w
@@ -84,6 +89,8 @@ class Watchdog:
                 previous(signum, frame)
 
         signal.signal(signal.SIGUSR1, on_sigusr1)
+        self._previous_sigusr1 = previous if previous is not None else signal.SIG_DFL
+        self._hooked = True
 
     def _run(self) -> None:
         in_stall = False
@@ -93,6 +100,7 @@ class Watchdog:
                 break
             if ready and self._signalled():
                 self.dump("signal")
+            self.recorder.refresh_oldest()
             stalled = is_stalled(self.writer.header, time.time_ns(), self.stall_ns)
             if stalled and not in_stall:
                 self.dump("stall")
@@ -121,7 +129,12 @@ class Watchdog:
         return path
 
     def stop(self) -> None:
-        """Stop the thread (waits briefly for it)."""
+        """Stop the thread (waits briefly for it) and give SIGUSR1 back to its previous handler."""
+        if self._hooked and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, self._previous_sigusr1)  # type: ignore[arg-type]
+            if self._restore_wakeup_fd:
+                signal.set_wakeup_fd(-1)
+            self._hooked = False
         self._stop.set()
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"\0")
