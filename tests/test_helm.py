@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import helm_python
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -170,6 +171,25 @@ def test_every_object_is_a_named_namespaced_kubernetes_object(objects: list[dict
             assert LABEL_VALUE.match(str(value)) and len(str(value)) <= 63, (key, value)
         assert (obj["kind"], meta["name"]) not in seen, f"duplicate {obj['kind']} {meta['name']}"
         seen.add((obj["kind"], meta["name"]))
+
+
+@pytest.mark.parametrize("kube_version", ["1.25.0", "1.37.0"])
+def test_core_objects_match_the_kubernetes_api_schemas(
+    objects: list[dict[str, Any]], kube_version: str
+) -> None:
+    """Strict validation against the Kubernetes OpenAPI schemas of the oldest supported and a recent
+    version: unknown fields, wrong types and missing required fields all fail."""
+    core = [obj for obj in objects if not obj["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert {obj["kind"] for obj in core} >= {"DaemonSet", "Deployment", "Service", "ConfigMap"}
+    for obj in core:
+        kubernetes_validate.validate(obj, kube_version, strict=True)
+
+
+def test_schema_validation_catches_a_misspelt_field(defaults: list[dict[str, Any]]) -> None:
+    daemonset = json.loads(json.dumps(only(defaults, "DaemonSet")))
+    daemonset["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["readonly"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="readonly"):
+        kubernetes_validate.validate(daemonset, "1.37.0", strict=True)
 
 
 def test_no_secret_is_created_and_credentials_are_read_by_reference(objects: list[dict[str, Any]]) -> None:
