@@ -8,6 +8,7 @@ behave exactly as `helm lint`, `helm template` and `helm install` do.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tarfile
 from collections.abc import Iterator
@@ -20,9 +21,7 @@ import pytest
 import yaml
 
 from megatrace.alertbot.config import ENV_PREFIX as ALERTBOT_ENV_PREFIX
-from megatrace.alertbot.config import AlertbotConfig
-from megatrace.alertbot.config import check as check_alertbot
-from megatrace.config import load_config
+from megatrace.alertbot.config import load as load_alertbot_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "helm" / "megatrace"
@@ -67,7 +66,15 @@ CUSTOM_VALUES: dict[str, Any] = {
         },
         "existingSecret": "megatrace-feishu",
         "webhookTokenKey": "token",
-        "secretEnv": [{"name": "MEGATRACE_ALERTBOT_FEISHU__APP__APP_SECRET", "key": "app-secret"}],
+        "secretEnv": [
+            {"name": "MEGATRACE_ALERTBOT_FEISHU__APP__APP_SECRET", "key": "app-secret"},
+            {"name": "MEGATRACE_ALERTBOT_FEISHU__GROUP_BOTS__P0__WEBHOOK", "key": "p0-webhook"},
+            {
+                "name": "MEGATRACE_ALERTBOT_FEISHU__GROUP_BOTS__P0__SECRET",
+                "key": "p0-secret",
+                "optional": True,
+            },
+        ],
         "extraEnv": [{"name": "TZ", "value": "Asia/Shanghai"}],
         "persistence": {"existingClaim": "bot-state", "mountPath": "/state"},
         "traces": {"volume": {"nfs": {"server": "nfs.example", "path": "/traces"}}, "mountPath": "/mnt/t"},
@@ -465,27 +472,34 @@ def test_alertbot_secrets_come_only_from_the_existing_secret(
     assert secret_refs(custom) == [
         ("MEGATRACE_ALERTBOT_AUTH__BEARER_TOKEN", "megatrace-feishu", "token"),
         ("MEGATRACE_ALERTBOT_FEISHU__APP__APP_SECRET", "megatrace-feishu", "app-secret"),
+        ("MEGATRACE_ALERTBOT_FEISHU__GROUP_BOTS__P0__WEBHOOK", "megatrace-feishu", "p0-webhook"),
+        ("MEGATRACE_ALERTBOT_FEISHU__GROUP_BOTS__P0__SECRET", "megatrace-feishu", "p0-secret"),
     ]
 
 
-def bot_configuration(objects: list[dict[str, Any]], secret: dict[str, str], tmp_path: Path) -> Any:
-    """Load the rendered config file and environment exactly as the bot in the pod would."""
+def bot_configuration(
+    objects: list[dict[str, Any]], secret: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """Load the rendered config file and environment exactly as the bot in the pod does."""
     config_map = by_component(objects, "ConfigMap", "alertbot")
     path = tmp_path / "alertbot.yaml"
     path.write_text(config_map["data"]["alertbot.yaml"])
-    environ = {}
+    for name in list(os.environ):
+        if name.startswith(ALERTBOT_ENV_PREFIX):
+            monkeypatch.delenv(name)
     for item in only(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]:
         ref = item.get("valueFrom", {}).get("secretKeyRef")
         if ref is None:
-            environ[item["name"]] = item["value"]
+            monkeypatch.setenv(item["name"], item["value"])
         elif ref["key"] in secret:
-            environ[item["name"]] = secret[ref["key"]]
-    loaded = load_config(AlertbotConfig, path, env_prefix=ALERTBOT_ENV_PREFIX, environ=environ)
-    return check_alertbot(loaded, str(path))
+            monkeypatch.setenv(item["name"], secret[ref["key"]])
+    return load_alertbot_config(path)
 
 
-def test_alertbot_accepts_the_rendered_configuration(defaults: list[dict[str, Any]], tmp_path: Path) -> None:
-    config = bot_configuration(defaults, {"webhook-token": "tok-1"}, tmp_path)
+def test_alertbot_accepts_the_rendered_configuration(
+    defaults: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = bot_configuration(defaults, {"webhook-token": "tok-1"}, tmp_path, monkeypatch)
     assert config.listen == "0.0.0.0:9451"
     assert config.store.path == "/var/lib/megatrace/alertbot.db"
     assert config.report.directory == "/var/lib/megatrace/reports"
@@ -493,14 +507,19 @@ def test_alertbot_accepts_the_rendered_configuration(defaults: list[dict[str, An
     assert config.drilldown.trace_roots == []
 
 
-def test_alertbot_accepts_configuration_from_values(custom: list[dict[str, Any]], tmp_path: Path) -> None:
-    config = bot_configuration(custom, {"token": "tok-2", "app-secret": "s3cr3t"}, tmp_path)
+def test_alertbot_accepts_configuration_from_values(
+    custom: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = {"token": "tok-2", "app-secret": "s3cr3t", "p0-webhook": "https://feishu.example/hook/abc"}
+    config = bot_configuration(custom, secret, tmp_path, monkeypatch)
     assert config.listen == "0.0.0.0:9600"
     assert config.store.path == "/state/alertbot.db"
     assert config.drilldown.trace_roots == ["/mnt/t"]
     assert config.feishu.app.app_id == "cli_a1b2c3"
     assert config.feishu.app.app_secret == "s3cr3t"
     assert config.feishu.app.chats == {"P0": "oc_p0", "P1": "oc_p1"}
+    assert config.feishu.group_bots["P0"].webhook == "https://feishu.example/hook/abc"
+    assert config.feishu.group_bots["P0"].secret == ""  # its optional key is absent from the Secret
     assert config.alertmanager.url == "http://alertmanager-operated.monitoring:9093"
 
 
