@@ -20,7 +20,7 @@ from megatrace.exporters.settings import ExporterConfig
 from megatrace.stack_config import StackConfig
 from megatrace.tracer.settings import FaultSettings, TraceSettings
 from tests.support.services import require_binary
-from tests.test_helm import load_schema, schema_paths
+from tests.test_helm import bot_configuration, lint_problems, load_schema, render, schema_paths
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 REFERENCE = DOCS / "configuration.md"
@@ -175,3 +175,17 @@ def test_native_alertmanager_snippet_in_install_doc_is_valid(tmp_path: Path) -> 
     assert receivers("alertname=MegatraceJobStalled", "job=llama", "severity=P0") == "megatrace-alertbot"
     assert receivers("alertname=MegatraceGpuLost", "severity=P3") == "megatrace-alertbot"
     assert receivers("alertname=Watchdog", "severity=none") == "default"
+
+
+def test_values_example_in_install_doc_installs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The install guide's values file passes lint and the schema, and the bot accepts what it renders."""
+    text = (DOCS / "install.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "# megatrace-values.yaml" in b]
+    values = yaml.safe_load(block)
+    assert lint_problems(values) == []
+    objects = render(values)
+    config = bot_configuration(
+        objects, {"webhook-token": "t", "feishu-app-secret": "s"}, tmp_path, monkeypatch
+    )
+    assert config.feishu.app.app_id == values["alertbot"]["config"]["feishu"]["app"]["app_id"]
+    assert config.feishu.app.app_secret == "s"
