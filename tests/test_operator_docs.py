@@ -19,8 +19,8 @@ from megatrace.analyzer.layout import LayoutConfig
 from megatrace.exporters.settings import ExporterConfig
 from megatrace.stack_config import StackConfig
 from megatrace.tracer.settings import FaultSettings, TraceSettings
+from tests.support.helm_chart import bot_configuration, lint_problems, load_schema, render, schema_paths
 from tests.support.services import require_binary
-from tests.test_helm import bot_configuration, lint_problems, load_schema, render, schema_paths
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 REFERENCE = DOCS / "configuration.md"
