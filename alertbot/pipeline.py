@@ -231,18 +231,18 @@ class Pipeline:
                 else:
                     self._resolved(alert, external_url, now)
 
-    def process_inbox(self, now: float) -> int:
-        """Process every stored, unprocessed webhook; returns how many were processed."""
+    def process_inbox(self, now: float, limit: int = 200) -> int:
+        """Process up to `limit` stored, unprocessed webhooks (oldest first); returns how many. The
+        bound keeps a long burst from starving delivery: the worker alternates the two."""
         done = 0
-        while rows := self.store.unprocessed_inbox():
-            for row in rows:
-                try:
-                    webhook = parse_webhook(row["body"])
-                except PayloadError as exc:  # stored bodies were validated; this only guards old rows
-                    self.store.mark_inbox(row["id"], now, str(exc))
-                    continue
-                with self.store.transaction():
-                    self.ingest(webhook.alerts, webhook.external_url, now)
-                    self.store.mark_inbox(row["id"], now)
-                done += 1
+        for row in self.store.unprocessed_inbox(limit):
+            try:
+                webhook = parse_webhook(row["body"])
+            except PayloadError as exc:  # stored bodies were validated; this only guards old rows
+                self.store.mark_inbox(row["id"], now, str(exc))
+                continue
+            with self.store.transaction():
+                self.ingest(webhook.alerts, webhook.external_url, now)
+                self.store.mark_inbox(row["id"], now)
+            done += 1
         return done

@@ -79,15 +79,18 @@ class Service:
 
     # -- the worker -----------------------------------------------------------------------------
 
-    def work_once(self) -> None:
-        self.pipeline.process_inbox(time.time())
+    def work_once(self) -> bool:
+        """One round of the worker; True when stored webhooks are still waiting."""
+        processed = self.pipeline.process_inbox(time.time())
         self.drilldowns.submit_pending()
         self.delivery.deliver_due()
+        return processed > 0
 
     def _worker(self) -> None:
         while not self._stop.is_set():
             try:
-                self.work_once()
+                if self.work_once():
+                    continue
             except Exception:
                 log.exception("worker iteration failed; retrying")
             next_due = self.store.next_due()

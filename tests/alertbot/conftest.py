@@ -103,7 +103,8 @@ class Bot:
     def receive(self, body: dict[str, Any], now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.store.add_inbox("webhook", json.dumps(body), now)
-        self.pipeline.process_inbox(now)
+        while self.pipeline.process_inbox(now):
+            pass
 
     def drain(self, timeout: float = 20.0) -> None:
         """Deliver until nothing is pending (retries included)."""
