@@ -115,7 +115,10 @@ def test_health_metrics_and_console_delivery(service: Service) -> None:
     for _ in range(2):
         assert requests.post(url(service, "/alertmanager"), data=body, headers=AUTH, timeout=5).ok
     console = Path(service.cfg.delivery.console_path)
-    wait_until(lambda: len(console_lines(console)) == 1, what="console delivery")
+    wait_until(
+        lambda: not service.store.unprocessed_inbox() and len(console_lines(console)) == 1,
+        what="console delivery",
+    )
     (line,) = console_lines(console)
     assert line["channel"] == "console" and line["msg_type"] == "interactive"
     assert line["card"]["header"]["title"]["content"].startswith("[P0] FIRING")
