@@ -213,11 +213,11 @@ class Delivery:
         self.store.finish_attempt(attempt_id, now, result.outcome, result.detail)
         if result.ok:
             message_id = str(result.data.get("message_id", ""))
+            self.metrics.sent.labels(channel).inc()
+            self.metrics.latency.labels(channel).observe(max(0.0, now - row["created_at"]))
             self.store.set_outbox(
                 row["id"], state="sent", sent_at=now, message_id=message_id, last_error=None
             )
-            self.metrics.sent.labels(channel).inc()
-            self.metrics.latency.labels(channel).observe(max(0.0, now - row["created_at"]))
             self.after_sent(row, message_id, now)
             return
         self.metrics.failed.labels(channel).inc()
