@@ -117,6 +117,7 @@ class Watchdog:
         """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
         with self._dump_lock:
             try:
+                self.recorder.refresh_oldest()
                 snapshot = read_ring(self.writer.path)
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)

@@ -49,6 +49,7 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     second = rec.begin(cid, OP_CODES["all_gather"], 32, DTYPE_CODES["bfloat16"], -1, FLAG_ASYNC)
     rec.mark_step()
     send = rec.begin(cid, OP_CODES["send"], 8, DTYPE_CODES["int64"], 1, 0)
+    rec.refresh_oldest()  # the watchdog's job, every tick
 
     snap = read_ring(tmp_path / "job" / "rank-3.trace")
     h = snap.header
@@ -76,9 +77,11 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     assert all(r["comm_id"] == cid)
 
     rec.end(second)
+    rec.refresh_oldest()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert h.oldest_inflight_op == "send"
     rec.end(send)
+    rec.refresh_oldest()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert (h.oldest_inflight_op, h.oldest_inflight_enqueue_ns) == ("", 0)
 
