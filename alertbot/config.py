@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+from apscheduler.triggers.cron import CronTrigger
 
 from megatrace.config import ConfigError, env_overrides, merge, read_yaml, validate
 from megatrace.logsetup import register_secret
@@ -157,6 +160,21 @@ class AlertbotConfig:
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
+DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
+
+
+def cron_trigger(expression: str, timezone: str) -> CronTrigger:
+    """A trigger for a standard 5-field crontab line. Numeric weekdays follow cron (0 and 7 are
+    Sunday, 1 is Monday); APScheduler 3 would read them as Monday-based, so they become names."""
+    fields = expression.split()
+    if len(fields) != 5:
+        raise ValueError(f"report.cron: expected 5 crontab fields, got {expression!r}")
+    fields[4] = re.sub(
+        r"(?<!/)\d+", lambda m: DAY_NAMES[int(m.group())] if int(m.group()) < 8 else m.group(), fields[4]
+    )
+    return CronTrigger.from_crontab(" ".join(fields), timezone=timezone)
+
+
 def feishu_configured(cfg: AlertbotConfig) -> bool:
     """True when at least one Feishu destination (group bot or app) is configured."""
     return bool(cfg.feishu.group_bots) or app_configured(cfg)
@@ -213,6 +231,10 @@ def check(cfg: AlertbotConfig, source: str) -> AlertbotConfig:
     for root in cfg.drilldown.trace_roots:
         if not Path(root).is_absolute():
             problems.append(f"key 'drilldown.trace_roots': {root!r} is not an absolute path")
+    try:
+        cron_trigger(cfg.report.cron, cfg.report.timezone)
+    except (ValueError, LookupError) as exc:
+        problems.append(f"key 'report': invalid cron or timezone: {exc}")
     if cfg.templates_dir and not Path(cfg.templates_dir).is_dir():
         problems.append(f"key 'templates_dir': {cfg.templates_dir!r} is not a directory")
     if problems:

@@ -14,11 +14,10 @@ from typing import Any
 from zoneinfo import ZoneInfo
 
 from apscheduler.schedulers.background import BackgroundScheduler
-from apscheduler.triggers.cron import CronTrigger
 
 from megatrace.alertbot.alertmanager import AlertmanagerError, reconcile
 from megatrace.alertbot.cards import CardRenderer
-from megatrace.alertbot.config import AlertbotConfig, app_configured
+from megatrace.alertbot.config import AlertbotConfig, app_configured, cron_trigger
 from megatrace.alertbot.delivery import ConsoleSink, Delivery
 from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.feishu import FeishuApp
@@ -195,7 +194,7 @@ class Service:
         self.scheduler.add_job(self.retention, "interval", hours=6, max_instances=1)
         self.scheduler.add_job(
             self.weekly_report,
-            CronTrigger.from_crontab(cfg.report.cron, timezone=cfg.report.timezone),
+            cron_trigger(cfg.report.cron, cfg.report.timezone),
             max_instances=1,
         )
         self.scheduler.start()

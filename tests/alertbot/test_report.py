@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from megatrace.alertbot.report import build_report
+from megatrace.alertbot.service import Service
 from megatrace.cli import main
 from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
 from tests.support.feishu_server import FeishuServer
@@ -237,3 +238,18 @@ def test_report_is_sent_to_feishu_as_file_and_card(tmp_path: Path, feishu: Feish
     )
     text = card.body["content"]["elements"][0]["text"]["content"]
     assert "**5 alert episodes**" in text and "P2: 2" in text and "- GpuThrottled: 2" in text
+
+
+def test_scheduled_weekly_report_goes_to_the_console_without_feishu(tmp_path: Path) -> None:
+    bot = Service(config(tmp_path, report={"cron": "0 9 * * 1", "timezone": "UTC"}))
+    try:
+        bot.weekly_report()
+        bot.delivery.deliver_due()
+        (line,) = [json.loads(x) for x in Path(bot.cfg.delivery.console_path).read_text().splitlines()]
+        assert line["kind"] == "report" and Path(line["path"]).exists()
+        assert line["card"]["header"]["title"]["content"].startswith("Megatrace weekly alert report")
+        bot.weekly_report()  # the scheduler firing twice for one period sends it once
+        assert bot.delivery.deliver_due() == 0
+    finally:
+        bot.httpd.server_close()
+        bot.store.close()

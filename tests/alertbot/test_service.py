@@ -193,19 +193,23 @@ def test_real_alertmanager_routes_firing_and_resolved_to_feishu(
     tmp_path: Path, feishu: FeishuServer, alertmanager_for
 ) -> None:
     hook = feishu.add_bot(secret="group-secret")
-    bot = Service(
-        config(
-            tmp_path,
-            feishu={
-                "base_url": feishu.url,
-                "group_bots": {"P1": {"webhook": hook, "secret": "group-secret"}},
-            },
+    bot_port = free_port()
+    context, am = alertmanager_for(f"http://127.0.0.1:{bot_port}/alertmanager")
+    with context:
+        bot = Service(
+            config(
+                tmp_path,
+                listen=f"127.0.0.1:{bot_port}",
+                feishu={
+                    "base_url": feishu.url,
+                    "group_bots": {"P1": {"webhook": hook, "secret": "group-secret"}},
+                },
+                # reconciliation runs alongside the webhooks and must not add anything
+                alertmanager={"url": am, "reconcile_interval_s": 0.3, "resolve_grace_s": 0.3},
+            )
         )
-    )
-    bot.start()
-    try:
-        context, am = alertmanager_for(f"http://127.0.0.1:{bot.port}/alertmanager")
-        with context:
+        bot.start()
+        try:
             labels = [
                 {"alertname": "MegatraceSlowRank", "severity": "P1", "job": "llm", "rank": str(r)}
                 for r in (2, 6)
@@ -223,9 +227,12 @@ def test_real_alertmanager_routes_firing_and_resolved_to_feishu(
             resolved = feishu.bot_posts(hook)[2].body["card"]
             assert resolved["header"]["template"] == "green"
             assert resolved["header"]["title"]["content"] == "[P1] RESOLVED: MegatraceSlowRank rank 2"
-            assert feishu.rejections == []
-    finally:
-        bot.stop()
+            time.sleep(1.5)  # several reconciliation rounds
+            assert len(feishu.bot_posts(hook)) == 3 and feishu.rejections == []
+            episodes = bot.store.query("SELECT status FROM episodes ORDER BY id")
+            assert sorted(e["status"] for e in episodes) == ["firing", "resolved"]
+        finally:
+            bot.stop()
 
 
 @pytest.mark.slow

@@ -5,11 +5,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
-from megatrace.alertbot.config import load
+from megatrace.alertbot.config import cron_trigger, load
 from megatrace.alertbot.store import MIGRATIONS, Store
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
@@ -131,3 +132,26 @@ def test_environment_overrides_and_secrets_never_logged(
     )
     assert stream.getvalue().count("***") == 3
     assert "env-token-5678" not in stream.getvalue() and "abc123def" not in stream.getvalue()
+
+
+def test_report_cron_reads_weekdays_as_cron_does(tmp_path: Path) -> None:
+    sunday = datetime(2026, 11, 22, tzinfo=UTC)
+    assert cron_trigger("0 9 * * 1", "UTC").get_next_fire_time(None, sunday) == datetime(
+        2026, 11, 23, 9, tzinfo=UTC
+    )
+    assert cron_trigger("30 8 * * 0", "UTC").get_next_fire_time(None, sunday) == datetime(
+        2026, 11, 22, 8, 30, tzinfo=UTC
+    )
+    friday = cron_trigger("0 18 * * 1-5/2", "UTC").get_next_fire_time(
+        None, datetime(2026, 11, 26, 19, tzinfo=UTC)
+    )
+    assert friday == datetime(2026, 11, 27, 18, tzinfo=UTC)  # mon, wed, fri
+    path = tmp_path / "bot.yaml"
+    for bad in (
+        "report: {cron: '0 9 * *'}",
+        "report: {cron: '0 99 * * 1'}",
+        "report: {timezone: Mars/Olympus}",
+    ):
+        path.write_text("auth: {bearer_token: tok-1234}\n" + bad + "\n")
+        with pytest.raises(ConfigError, match="key 'report'"):
+            load(path)
