@@ -175,11 +175,6 @@ def cron_trigger(expression: str, timezone: str) -> CronTrigger:
     return CronTrigger.from_crontab(" ".join(fields), timezone=timezone)
 
 
-def feishu_configured(cfg: AlertbotConfig) -> bool:
-    """True when at least one Feishu destination (group bot or app) is configured."""
-    return bool(cfg.feishu.group_bots) or app_configured(cfg)
-
-
 def app_configured(cfg: AlertbotConfig) -> bool:
     return bool(cfg.feishu.app.app_id and cfg.feishu.app.app_secret)
 

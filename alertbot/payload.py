@@ -125,6 +125,8 @@ def parse_webhook(body: bytes | str) -> Webhook:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PayloadError(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise PayloadError("body is nested too deeply") from None
     if not isinstance(data, dict):
         raise PayloadError(f"body: expected a JSON object, got {type(data).__name__}")
     if data.get("version") != "4":

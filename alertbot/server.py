@@ -148,14 +148,19 @@ def make_server(service: Service) -> ThreadingHTTPServer:
 
         def webhook(self, body: bytes) -> None:
             try:
-                webhook = parse_webhook(body)
+                text = body.decode("utf-8")
+                webhook = parse_webhook(text)
+            except UnicodeDecodeError:
+                service.metrics.webhooks.labels("rejected").inc()
+                self.reply(400, {"error": "body is not UTF-8 JSON"})
+                return
             except PayloadError as exc:
                 service.metrics.webhooks.labels("rejected").inc()
                 log.warning("rejected webhook from %s: %s", self.address_string(), exc)
                 self.reply(400, {"error": str(exc)})
                 return
             try:
-                service.store.add_inbox("webhook", body.decode(), time.time())
+                service.store.add_inbox("webhook", text, time.time())
             except Exception:
                 log.exception("cannot store webhook")
                 service.metrics.webhooks.labels("store_failed").inc()

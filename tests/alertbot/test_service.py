@@ -87,7 +87,9 @@ def test_basic_auth(tmp_path: Path) -> None:
         (json.dumps(webhook({**alert(), "fingerprint": "../../etc"})).encode(), "alerts[0].fingerprint"),
         (json.dumps(webhook({**alert(), "labels": {"severity": "P0"}})).encode(), "'alertname' is missing"),
         (json.dumps(webhook({**alert(), "labels": {"alertname": 7}})).encode(), "alerts[0].labels.alertname"),
-        (b"\xff\xfe", "body is not valid JSON"),
+        (b"\xff\xfe", "body is not UTF-8 JSON"),
+        (json.dumps(webhook(alert())).encode("utf-16"), "body is not UTF-8 JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ],
 )
 def test_malformed_bodies_get_400_with_reason(service: Service, body: bytes, reason: str) -> None:
