@@ -242,8 +242,9 @@ class Store:
         return self.one("SELECT * FROM outbox WHERE id = ?", (outbox_id,))
 
     def due_outbox(self, now: float, limit: int = 200) -> list[sqlite3.Row]:
+        """Pending notifications that are due, the most urgent level first."""
         return self.query(
-            "SELECT * FROM outbox WHERE state = 'pending' AND not_before <= ? ORDER BY not_before, id "
+            "SELECT * FROM outbox WHERE state = 'pending' AND not_before <= ? ORDER BY level, not_before, id "
             "LIMIT ?",
             (now, limit),
         )

@@ -143,7 +143,8 @@ def test_escalation_raises_recurring_alert_one_level(tmp_path: Path) -> None:
     levels = bot.store.query("SELECT level, escalated FROM episodes ORDER BY id")
     assert [(r["level"], r["escalated"]) for r in levels] == [("P2", 0), ("P2", 0), ("P1", 1), ("P1", 1)]
     bot.drain()
-    assert "raised to P1" in bot.console()[-2]["card"]["elements"][0]["text"]["content"]
+    raised = [m for m in bot.console() if "raised to P1" in m["card"]["elements"][0]["text"]["content"]]
+    assert [m["kind"] for m in raised] == ["firing", "resolved", "firing", "resolved"]
 
 
 def test_p3_goes_to_the_report_only(tmp_path: Path) -> None:
@@ -192,3 +193,12 @@ def test_bad_policy_file_names_the_key(tmp_path: Path, text: str, message: str) 
     with pytest.raises(ConfigError, match=r"policy\.yaml") as exc:
         load_policy(path)
     assert message in str(exc.value)
+
+
+def test_most_urgent_level_is_delivered_first(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert("GpuThrottled", severity="P2", instance="gpu-1:9450")), T0)
+    bot.receive(webhook(alert("MegatraceSlowRank", severity="P1", job="llm")), T0 + 1)
+    bot.receive(webhook(alert("MegatraceRankHang", job="llm")), T0 + 2)
+    bot.delivery.deliver_due(T0 + 3)
+    assert [line["level"] for line in bot.console()] == ["P0", "P1", "P2"]
