@@ -8,10 +8,14 @@ DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter
 DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter
 PYTEST_ARGS ?=
 
-.PHONY: test lint deps debs venv clean
+.PHONY: test demo lint deps debs venv clean
 
 test: deps lint
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The whole pipeline on this machine: a real job hangs, then runs slow; see README.
+demo: deps
+	$(BIN)/megatrace stack demo
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

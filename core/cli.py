@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "megatrace.alertbot.command",
     "megatrace.analyzer.cli",
     "megatrace.tracer.trace_command",
+    "megatrace.stack_cli",
 )
 
 

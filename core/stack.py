@@ -69,26 +69,31 @@ def _megatrace_argv(*args: str) -> list[str]:
 
 
 def alertbot_settings(config: StackConfig, state: Path, webhook_token: str) -> dict:
-    """The bot's configuration: the user's file (if any) with the stack's listen address, store and token."""
+    """The bot's configuration: the user's file (if any) with the stack's listen address, store and URLs.
+
+    Without Feishu in the user's file the bot writes every message it would send to
+    ``<state>/messages.jsonl`` (its console channel).
+    """
     settings: dict = {}
     if config.alertbot_config:
         loaded = yaml.safe_load(Path(config.alertbot_config).read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{config.alertbot_config}: expected a mapping at the top level")
         settings = loaded
-    settings.update(
-        {
-            "listen": f"{config.host}:{config.ports.alertbot}",
-            "database": str(state / "alertbot.sqlite3"),
-        }
-    )
+    prometheus = f"http://{config.host}:{config.ports.prometheus}"
+    alertmanager = f"http://{config.host}:{config.ports.alertmanager}"
+    settings["listen"] = f"{config.host}:{config.ports.alertbot}"
+    settings.setdefault("store", {})["path"] = str(state / "alertbot.sqlite3")
     settings.setdefault("auth", {})["bearer_token"] = webhook_token
-    settings.setdefault("alertmanager", {})["url"] = f"http://{config.host}:{config.ports.alertmanager}"
-    settings.setdefault("prometheus", {})["url"] = f"http://{config.host}:{config.ports.prometheus}"
+    settings.setdefault("alertmanager", {})["url"] = alertmanager
     drilldown = settings.setdefault("drilldown", {})
-    drilldown.setdefault("trace_roots", [config.trace_dir])
+    drilldown.setdefault("trace_roots", [str(Path(config.trace_dir).resolve())])
+    drilldown.setdefault("prometheus_url", prometheus)
+    links = settings.setdefault("links", {})
+    links.setdefault("prometheus_url", prometheus)
+    links.setdefault("alertmanager_url", alertmanager)
     if not settings.get("feishu"):
-        settings.setdefault("file_channel", {})["path"] = str(state / "messages")
+        settings.setdefault("delivery", {})["console_path"] = str(state / "messages.jsonl")
     settings.setdefault("report", {}).setdefault("directory", str(state / "reports"))
     return settings
 
@@ -97,6 +102,7 @@ def plan(config: StackConfig) -> list[Part]:
     """Write every configuration file into the state directory and return the parts in start order."""
     state = Path(config.state_dir)
     (state / "logs").mkdir(parents=True, exist_ok=True)
+    state = state.resolve()
     Path(config.trace_dir).mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(24)
     host, ports = config.host, config.ports

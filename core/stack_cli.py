@@ -6,13 +6,19 @@ import argparse
 import sys
 
 from megatrace.config import load_config
+from megatrace.demo import DEMO_SETTINGS, DemoFailed
 from megatrace.stack import StackError, down, status, up
 from megatrace.stack_config import StackConfig
 
 
-def load_stack_config(args: argparse.Namespace) -> StackConfig:
-    """The stack configuration from ``--config``, ``MEGATRACE_STACK_*`` and ``--state-dir``."""
-    overrides = {"state_dir": args.state_dir} if args.state_dir else None
+def load_stack_config(args: argparse.Namespace, demo: bool = False) -> StackConfig:
+    """The stack configuration from ``--config``, ``MEGATRACE_STACK_*`` and ``--state-dir``.
+
+    The demo runs with compressed time (see `megatrace.demo.DEMO_SETTINGS`) and its own state dir.
+    """
+    overrides = dict(DEMO_SETTINGS) if demo else {}
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
     return load_config(StackConfig, args.config, env_prefix="MEGATRACE_STACK_", overrides=overrides)
 
 
@@ -48,6 +54,18 @@ def _status(args: argparse.Namespace) -> int:
     return 0 if all(part.healthy for part in parts) else 1
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from megatrace.demo import Scenario, main, prepare_state_dir
+
+    config = load_stack_config(args, demo=True)
+    try:
+        prepare_state_dir(config)
+    except DemoFailed as exc:
+        print(f"megatrace stack demo: {exc}", file=sys.stderr)
+        return 2
+    return main(config, Scenario(seed=args.seed))
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `megatrace stack`."""
     parser = subparsers.add_parser(
@@ -62,3 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions.add_parser("up", help="start every part and wait until healthy").set_defaults(func=_up)
     actions.add_parser("down", help="stop what `up` started, and nothing else").set_defaults(func=_down)
     actions.add_parser("status", help="show each part and whether it answers").set_defaults(func=_status)
+    demo = actions.add_parser(
+        "demo",
+        help="scripted scenario: a real job hangs, then runs slow; follow the alerts to the bot's messages",
+    )
+    demo.add_argument("--seed", type=int, help="seed for choosing the faulty ranks (default: random)")
+    demo.set_defaults(func=_demo)

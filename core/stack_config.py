@@ -56,5 +56,5 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.time_compression <= 0:
             raise ValueError("time_compression must be positive")
-        if not self.trace_dir:
-            self.trace_dir = str(Path(self.state_dir) / "trace")
+        self.state_dir = str(Path(self.state_dir).expanduser().absolute())
+        self.trace_dir = str(Path(self.trace_dir or Path(self.state_dir) / "trace").expanduser().absolute())
