@@ -89,7 +89,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     },
     "alertmanagerConfig": {
         "labels": {"alertmanager": "main"},
-        "groupBy": ["alertname", "job", "rank"],
+        "groupBy": ["alertname", "instance"],
         "repeatInterval": "2h",
     },
 }
@@ -513,6 +513,7 @@ def test_alertmanager_config_routes_graded_alerts_to_the_bot(objects: list[dict[
 def test_alertmanager_config_sends_the_bots_token(
     defaults: list[dict[str, Any]], custom: list[dict[str, Any]]
 ) -> None:
+    assert only(defaults, "AlertmanagerConfig")["spec"]["route"]["groupBy"] == ["alertname", "job", "rank"]
     webhook = only(defaults, "AlertmanagerConfig")["spec"]["receivers"][0]["webhookConfigs"][0]
     assert webhook["httpConfig"]["authorization"] == {
         "type": "Bearer",
@@ -525,7 +526,7 @@ def test_alertmanager_config_sends_the_bots_token(
         "type": "Bearer",
         "credentials": {"name": "megatrace-feishu", "key": "token"},
     }
-    assert config["spec"]["route"]["groupBy"] == ["alertname", "job", "rank"]
+    assert config["spec"]["route"]["groupBy"] == ["alertname", "instance"]
     assert config["spec"]["route"]["repeatInterval"] == "2h"
 
 
