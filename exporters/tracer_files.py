@@ -124,6 +124,13 @@ class TracerCollector:
             labels,
             inflight,
         )
+        if h.stall_threshold_ns > 0:
+            families.gauge(
+                "stall_threshold_seconds",
+                "The rank's stall sensitivity (MEGATRACE_TRACE_STALL_MS); absent when its file does not say.",
+                labels,
+                h.stall_threshold_ns * NS,
+            )
         families.counter("steps_total", "Training steps the rank completed.", labels, h.step_count)
         if h.step_count:
             families.gauge(

@@ -207,7 +207,8 @@ def write_ranks(trace_dir: Path, job: str, world_size: int) -> list[RingWriter]:
     group = comm_id(tuple(range(world_size)))
     for rank in range(world_size):
         identity = RankIdentity(job, rank, rank, world_size, "node-a", os.getpid(), time.time_ns())
-        writer = RingWriter(ring_path(trace_dir / job, rank), identity, capacity=64, comm_table_bytes=4096)
+        ring = ring_path(trace_dir / job, rank)
+        writer = RingWriter(ring, identity, capacity=64, comm_table_bytes=4096, stall_threshold_ns=3 * 10**9)
         writer.add_communicator(group, tuple(range(world_size)))
         recorder = Recorder(writer, rank)
         for _ in range(3):

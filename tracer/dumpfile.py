@@ -35,6 +35,8 @@ _COUNTER_KEYS = (
     "oldest_inflight_op", "step_count", "last_step_ns", "last_step_end_ns", "finished",
     "capacity", "records_written", "dumps_written",
 )  # fmt: skip
+# Header words added to version 1 later: written always, read as 0 from dumps that lack them.
+_LATER_KEYS = ("stall_threshold_ns",)
 _RECORD_INT_KEYS = ("serial", "rank", "comm", "seq", "nbytes", "peer", "enqueue_ns", "complete_ns", "step")
 
 
@@ -96,7 +98,7 @@ def write_dump(
         f"{DUMP_MAGIC} version={FORMAT_VERSION}",
         "# " + _pairs([("reason", reason), ("taken_ns", taken_ns)]),
         "# " + _pairs([(key, getattr(h, key)) for key in _IDENTITY_KEYS]),
-        "# " + _pairs([(key, getattr(h, key)) for key in _COUNTER_KEYS]),
+        "# " + _pairs([(key, getattr(h, key)) for key in (*_COUNTER_KEYS, *_LATER_KEYS)]),
         "# calls " + _pairs(sorted(h.calls_by_op.items())),
         "# bytes " + _pairs(sorted(h.bytes_by_op.items())),
     ]
@@ -206,6 +208,7 @@ def read_dump(path: str | Path) -> RingSnapshot:
             for key in (*_IDENTITY_KEYS, *_COUNTER_KEYS)
             if key not in ("job", "host", "oldest_inflight_op", "finished")
         },
+        **{key: _int(meta, key, where) for key in _LATER_KEYS if key in meta},
     )
     return RingSnapshot(
         header=header,

@@ -52,6 +52,8 @@ W_FINISHED = 22
 W_COMM_COUNT = 23
 W_COMM_TABLE_USED = 24
 W_DUMPS_WRITTEN = 25
+# Added to version 1 later; older writers left these words 0 (the file is created zero-filled).
+W_STALL_THRESHOLD_NS = 26
 W_CALLS_BY_OP = 32
 W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
 JOB_OFFSET = 768
@@ -146,6 +148,8 @@ class RingHeader:
     capacity: int = 0
     records_written: int = 0
     dumps_written: int = 0
+    # The writer's stall sensitivity (MEGATRACE_TRACE_STALL_MS); 0 = unknown (older writers, dumps).
+    stall_threshold_ns: int = 0
 
 
 @dataclasses.dataclass
@@ -207,6 +211,7 @@ class RingWriter:
         identity: RankIdentity,
         capacity: int = DEFAULT_CAPACITY,
         comm_table_bytes: int = DEFAULT_COMM_TABLE_BYTES,
+        stall_threshold_ns: int = 0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"ring capacity must be at least 1, got {capacity}")
@@ -232,6 +237,7 @@ class RingWriter:
         self.rec_b = records
         self._pack = RECORD_STRUCT.pack_into
         self._write_identity(identity)
+        self.header[W_STALL_THRESHOLD_NS] = stall_threshold_ns
         os.replace(tmp, self.path)
         self.serial = 0
 
@@ -352,6 +358,7 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
         capacity=int(words[W_CAPACITY]),
         records_written=int(sum(words[W_CALLS_BY_OP : W_CALLS_BY_OP + MAX_OPS])),
         dumps_written=int(words[W_DUMPS_WRITTEN]),
+        stall_threshold_ns=int(words[W_STALL_THRESHOLD_NS]),
     )
 
 

@@ -79,11 +79,14 @@ class Tracer:
                 pid=os.getpid(),
                 start_time_ns=time.time_ns(),
             )
-            writer = RingWriter(ring_path(self.job_dir, rank), identity, capacity=self.settings.capacity)
+            stall_ns = self.settings.stall_ms * 1_000_000
+            writer = RingWriter(
+                ring_path(self.job_dir, rank), identity, self.settings.capacity, stall_threshold_ns=stall_ns
+            )
             recorder = Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
-            self.watchdog = Watchdog(recorder, self.job_dir, rank, self.settings.stall_ms * 1_000_000)
+            self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns)
             self.watchdog.start_thread()
             self._register_step_hook()
             self.recorder = recorder

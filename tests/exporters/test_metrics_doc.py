@@ -25,7 +25,8 @@ NOT_IN_FIXTURES = {"megatrace_infiniband_port_discards_received_total"}
 
 def everything_exported(tmp_path: Path) -> set[str]:
     identity = RankIdentity("pretrain-42", 0, 0, 1, "node-a", os.getpid(), time.time_ns())
-    writer = RingWriter(ring_path(tmp_path / "pretrain-42", 0), identity, capacity=16, comm_table_bytes=4096)
+    ring = ring_path(tmp_path / "pretrain-42", 0)
+    writer = RingWriter(ring, identity, capacity=16, comm_table_bytes=4096, stall_threshold_ns=3_000_000_000)
     recorder = Recorder(writer, 0)
     recorder.end(recorder.begin(comm_id((0,)), OP_CODES["all_reduce"], 1024, 1, -1, 0))
     recorder.mark_step()

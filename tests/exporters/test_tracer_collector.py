@@ -17,7 +17,9 @@ from tests.exporters.exposition import names, promtool_check, render, samples, v
 from tests.support.gloo_job import start_traced_job
 
 
-def start_rank(trace_dir: Path, job: str, rank: int, pid: int, local_rank: int | None = None) -> Recorder:
+def start_rank(
+    trace_dir: Path, job: str, rank: int, pid: int, local_rank: int | None = None, stall_ns: int = 0
+) -> Recorder:
     identity = RankIdentity(
         job=job,
         rank=rank,
@@ -27,7 +29,8 @@ def start_rank(trace_dir: Path, job: str, rank: int, pid: int, local_rank: int |
         pid=pid,
         start_time_ns=time.time_ns(),
     )
-    writer = RingWriter(ring_path(trace_dir / job, rank), identity, capacity=64, comm_table_bytes=4096)
+    ring = ring_path(trace_dir / job, rank)
+    writer = RingWriter(ring, identity, capacity=64, comm_table_bytes=4096, stall_threshold_ns=stall_ns)
     writer.add_communicator(comm_id(tuple(range(16))), tuple(range(16)))
     return Recorder(writer, rank)
 
@@ -39,7 +42,7 @@ def dead_pid() -> int:
 
 
 def test_live_rank_counters(tmp_path: Path) -> None:
-    recorder = start_rank(tmp_path, "pretrain-42", 9, os.getpid())
+    recorder = start_rank(tmp_path, "pretrain-42", 9, os.getpid(), stall_ns=45_000_000_000)
     cid = comm_id(tuple(range(16)))
     for _ in range(3):
         recorder.end(recorder.begin(cid, OP_CODES["all_reduce"], 1 << 20, 1, -1, 0))
@@ -47,6 +50,7 @@ def test_live_rank_counters(tmp_path: Path) -> None:
     recorder.mark_step()
     stuck = recorder.begin(cid, OP_CODES["reduce_scatter"], 512, 1, -1, 0)
     assert stuck
+    recorder.refresh_oldest()  # the watchdog's tick
     now = time.time() + 30
 
     text = render(TracerCollector(tmp_path, clock=lambda: now))
@@ -62,6 +66,7 @@ def test_live_rank_counters(tmp_path: Path) -> None:
     assert 30 <= value(text, "megatrace_tracer_oldest_inflight_seconds", **rank) < 60
     assert now - 60 < value(text, "megatrace_tracer_last_progress_timestamp_seconds", **rank) <= now - 30
     assert value(text, "megatrace_tracer_rank_alive", **rank) == 1
+    assert value(text, "megatrace_tracer_stall_threshold_seconds", **rank) == 45
     assert value(text, "megatrace_tracer_rank_info", **rank, world_size="16", pid=str(os.getpid())) == 1
     result = promtool_check(text)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -94,6 +99,7 @@ def test_rank_whose_process_died_is_not_alive(tmp_path: Path) -> None:
     recorder = start_rank(tmp_path, "pretrain-43", 3, pid)
     text = render(TracerCollector(tmp_path))
     assert value(text, "megatrace_tracer_rank_alive", job="pretrain-43", rank="3") == 0
+    assert "megatrace_tracer_stall_threshold_seconds" not in names(text)  # file does not say: absent
     recorder.writer.close()
 
 
@@ -147,5 +153,6 @@ def test_real_gloo_job_live_then_finished(tmp_path: Path) -> None:
         assert value(text, "megatrace_tracer_collective_bytes_total", **labels, op="all_reduce") > 0
         assert value(text, "megatrace_tracer_oldest_inflight_seconds", **labels) == 0
         assert value(text, "megatrace_tracer_rank_info", **labels, world_size="4") == 1
+        assert value(text, "megatrace_tracer_stall_threshold_seconds", **labels) == 1.5  # the job's STALL_MS
     result = promtool_check(text)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -28,9 +28,13 @@ IDENTITY = RankIdentity(
     job="job 7/α", rank=3, local_rank=1, world_size=8, host="node-3", pid=4242, start_time_ns=1_000
 )
 
+STALL_NS = 1_500_000_000
+
 
 def make_writer(tmp_path: Path, capacity: int = 16) -> RingWriter:
-    return RingWriter(ring_path(tmp_path / "job", 3), IDENTITY, capacity=capacity, comm_table_bytes=4096)
+    return RingWriter(
+        ring_path(tmp_path / "job", 3), IDENTITY, capacity, comm_table_bytes=4096, stall_threshold_ns=STALL_NS
+    )
 
 
 def test_comm_id_depends_only_on_member_set() -> None:
@@ -63,7 +67,7 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     assert h.step_count == 1 and h.last_step_ns > 0
     assert snap.records["enqueue_ns"][1] <= h.last_step_end_ns <= snap.records["enqueue_ns"][2]
     assert h.wait_ns_total == int(snap.records["complete_ns"][0] - snap.records["enqueue_ns"][0])
-    assert not h.finished
+    assert not h.finished and h.stall_threshold_ns == STALL_NS
     assert snap.communicators == {cid: (0, 1, 2, 3)}
     r = snap.records
     assert list(r["serial"]) == [first, second, send]
@@ -169,6 +173,15 @@ def test_dump_round_trip(tmp_path: Path) -> None:
     assert back.records.dtype == snap.records.dtype
     assert back.records.tolist() == snap.records.tolist()
     assert (back.reason, back.taken_ns) == ("stall", 99)
+
+
+def test_threshold_is_unknown_in_files_and_dumps_from_writers_that_lack_it(tmp_path: Path) -> None:
+    old = RingWriter(tmp_path / "rank-0.trace", IDENTITY, capacity=4, comm_table_bytes=4096)
+    assert read_header(old.path).stall_threshold_ns == 0
+    path = write_dump(tmp_path / "d.dump", read_ring(make_writer(tmp_path).path), "exit")
+    assert read_dump(path).header.stall_threshold_ns == STALL_NS
+    path.write_text(path.read_text().replace(f" stall_threshold_ns={STALL_NS}", ""))
+    assert read_dump(path).header.stall_threshold_ns == 0
 
 
 def test_dump_keeps_newest_records_only(tmp_path: Path) -> None:

@@ -131,6 +131,7 @@ def test_live_counters_signal_dump_and_killed_rank_leave_readable_files(tmp_path
         assert later.last_enqueue_ns > first.last_enqueue_ns and later.wait_ns_total > first.wait_ns_total
         assert later.last_step_ns > 0 and later.last_step_end_ns > first.last_step_end_ns
         assert (later.world_size, later.local_rank, later.rank) == (4, 3, 3)
+        assert later.stall_threshold_ns == 60_000_000_000
 
         os.kill(later.pid, signal.SIGUSR1)
         dump = wait_for(
