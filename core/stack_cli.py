@@ -31,7 +31,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"megatrace stack: {exc}", file=sys.stderr)
         return 1
     print(f"trace directory for training jobs: {config.trace_dir}  (MEGATRACE_TRACE_DIR)")
-    print("stop it with: megatrace stack down" + (f" --state-dir {args.state_dir}" if args.state_dir else ""))
+    where = f" --state-dir {args.state_dir}" if args.state_dir else ""
+    print(f"stop it with: megatrace stack{where} down")
     return 0
 
 
