@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 from zoneinfo import ZoneInfo
 
 import jinja2
@@ -48,6 +48,26 @@ def silence_url(base: str, labels: dict[str, str]) -> str:
     wanted = {k: v for k, v in labels.items() if k not in ("severity",)}
     matcher = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(wanted.items())) + "}"
     return f"{base.rstrip('/')}/#/silences/new?filter={quote(matcher)}"
+
+
+def runbook_link(url: str, base: str) -> str:
+    """The runbook annotation as a link: an absolute URL as it is, a repository path (as the rules
+    carry, ``docs/runbooks/<Alert>.md``) joined with `base`; "" when there is no base to join it with."""
+    if not url or urlsplit(url).scheme:
+        return url
+    return f"{base.rstrip('/')}/{url.lstrip('/')}" if base else ""
+
+
+def rebase_url(url: str, base: str) -> str:
+    """`url` moved onto `base` (scheme, host and path prefix), keeping its last path segment, query and
+    fragment: ``http://vm:9090/graph?g0.expr=up`` on ``https://prom.example.com/prom`` becomes
+    ``https://prom.example.com/prom/graph?g0.expr=up``. Unchanged when `base` is empty."""
+    if not url or not base:
+        return url
+    parts, target = urlsplit(url), urlsplit(base)
+    leaf = parts.path.rsplit("/", 1)[-1]
+    path = f"{target.path.rstrip('/')}/{leaf}"
+    return urlunsplit((target.scheme, target.netloc, path, parts.query, parts.fragment))
 
 
 class CardRenderer:
@@ -84,12 +104,21 @@ class CardRenderer:
                 return card
         return card
 
+    def runbook_text(self, annotations: dict[str, str]) -> str:
+        """The runbook path shown as text when it cannot be a button (relative, no base URL set)."""
+        url = annotations.get("runbook_url", "")
+        return url if url and not runbook_link(url, self.links.runbook_base_url) else ""
+
     def _link_buttons(self, labels: dict[str, str], annotations: dict[str, str], row: Any) -> list[dict]:
         """Runbook, Grafana, Prometheus and Silence buttons; URLs too long for a card are left out."""
         candidates = [
-            ("Runbook", "primary", annotations.get("runbook_url", "")),
+            (
+                "Runbook",
+                "primary",
+                runbook_link(annotations.get("runbook_url", ""), self.links.runbook_base_url),
+            ),
             ("Grafana", "default", self.links.grafana_url),
-            ("Prometheus", "default", row["generator_url"]),
+            ("Prometheus", "default", rebase_url(row["generator_url"], self.links.prometheus_url)),
         ]
         am = self.links.alertmanager_url or row["external_url"]
         if am:
@@ -131,6 +160,7 @@ class CardRenderer:
                     (k, v[: budget // 4]) for k, v in sorted(labels.items()) if k not in HIDDEN_LABELS
                 ][: max(3, budget // 40)],
                 "links": self._link_buttons(labels, annotations, row),
+                "runbook": self.runbook_text(annotations),
                 "ref": ref,
             }
 
@@ -158,6 +188,7 @@ class CardRenderer:
                 "members": [describe(m)[: budget // 4] for m in shown],
                 "more": len(members) - len(shown),
                 "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first),
+                "runbook": self.runbook_text(annotations),
                 "ref": ref,
             }
 

@@ -115,9 +115,13 @@ class DeliveryConfig:
 
 @dataclasses.dataclass
 class LinksConfig:
+    """Where people open things from a card: relative runbook paths are joined with
+    `runbook_base_url`; Prometheus and Alertmanager links are moved onto the reachable URLs."""
+
     grafana_url: str = ""
     prometheus_url: str = ""
     alertmanager_url: str = ""
+    runbook_base_url: str = ""
 
 
 @dataclasses.dataclass
