@@ -29,6 +29,7 @@ from megatrace.alertbot.server import make_server
 from megatrace.alertbot.store import Store
 
 log = logging.getLogger(__name__)
+QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or more, nothing to act on
 
 
 class Service:
@@ -36,6 +37,8 @@ class Service:
 
     def __init__(self, cfg: AlertbotConfig) -> None:
         self.cfg = cfg
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.store = Store(cfg.store.path, cfg.store.synchronous)
         self.metrics = BotMetrics(queue_depth=self.store.queue_depth)
         policy = load_policy(cfg.grading.policy_file) if cfg.grading.policy_file else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator
@@ -339,3 +340,21 @@ def test_kill_9_mid_delivery_loses_nothing_and_posts_nothing_twice(
     ]
     log = (tmp_path / "bot-2.log").read_text()
     assert "recovered" in log
+
+
+def test_scheduler_job_runs_do_not_flood_the_log_at_info(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    bot = Service(config(tmp_path, alertmanager={"url": unreachable, "reconcile_interval_s": 0.2}))
+    bot.start()
+    try:
+        failed = "reconciliation failed"
+        wait_until(lambda: caplog.text.count(failed) >= 3, what="three reconciliation runs")
+    finally:
+        bot.stop()
+    assert "alert bot listening on" in caplog.text  # the bot's own INFO lines are kept
+    scheduler_lines = [r.getMessage() for r in caplog.records if r.name.startswith("apscheduler")]
+    assert scheduler_lines == []
+    assert "Running job" not in caplog.text and "executed successfully" not in caplog.text
