@@ -3,8 +3,9 @@
 Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
 ``job`` (the training job), ``rank`` and ``local_rank``; Prometheus must scrape with
 ``honor_labels: true`` so `job` is kept. A rank is alive while its header says it has not finished and
-its process exists. Ranks that are no longer alive keep being exported for a grace period (so
-``megatrace_tracer_rank_alive=0`` is seen), then dropped.
+its process exists; ``megatrace_tracer_rank_finished`` tells a clean exit from a death. Ranks that are
+no longer alive keep being exported for a grace period (so ``megatrace_tracer_rank_alive=0`` is seen),
+then dropped.
 """
 
 from __future__ import annotations
@@ -144,6 +145,12 @@ class TracerCollector:
             "1 while the rank's process runs and has not finished, 0 once it exited or died.",
             labels,
             1.0 if alive else 0.0,
+        )
+        families.gauge(
+            "rank_finished",
+            "1 once the rank's process exited cleanly (its file says so), else 0.",
+            labels,
+            1.0 if h.finished else 0.0,
         )
         families.gauge(
             "rank_info",

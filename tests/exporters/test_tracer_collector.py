@@ -82,6 +82,8 @@ def test_finished_rank_is_not_alive_and_dropped_after_the_grace_period(tmp_path:
 
     text = render(collector)
     assert value(text, "megatrace_tracer_rank_alive", job="sft-7", rank="0") == 0
+    assert value(text, "megatrace_tracer_rank_finished", job="sft-7", rank="0") == 1
+    assert value(text, "megatrace_tracer_rank_finished", job="sft-8", rank="0") == 0
     assert value(text, "megatrace_tracer_oldest_inflight_seconds", job="sft-7", rank="0") == 0
     clock[0] += 60
     assert value(render(collector), "megatrace_tracer_rank_alive", job="sft-7", rank="0") == 0
@@ -99,6 +101,7 @@ def test_rank_whose_process_died_is_not_alive(tmp_path: Path) -> None:
     recorder = start_rank(tmp_path, "pretrain-43", 3, pid)
     text = render(TracerCollector(tmp_path))
     assert value(text, "megatrace_tracer_rank_alive", job="pretrain-43", rank="3") == 0
+    assert value(text, "megatrace_tracer_rank_finished", job="pretrain-43", rank="3") == 0
     assert "megatrace_tracer_stall_threshold_seconds" not in names(text)  # file does not say: absent
     recorder.writer.close()
 
@@ -148,6 +151,7 @@ def test_real_gloo_job_live_then_finished(tmp_path: Path) -> None:
     for rank in range(4):
         labels = {"job": job, "rank": str(rank)}
         assert value(text, "megatrace_tracer_rank_alive", **labels) == 0
+        assert value(text, "megatrace_tracer_rank_finished", **labels) == 1
         assert value(text, "megatrace_tracer_steps_total", **labels) == steps
         assert value(text, "megatrace_tracer_collective_calls_total", **labels, op="all_reduce") > 0
         assert value(text, "megatrace_tracer_collective_bytes_total", **labels, op="all_reduce") > 0
