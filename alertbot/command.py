@@ -79,22 +79,27 @@ def run_report(args: argparse.Namespace) -> int:
     if until <= since:
         print("megatrace alertbot report: --until must be after --since", file=sys.stderr)
         return 2
-    if not args.send:
-        from megatrace.alertbot.store import Store
+    if not args.send:  # read only: safe beside a running bot that writes the same database
+        from megatrace.alertbot.store import Store, StoreError
 
-        store = Store(cfg.store.path, cfg.store.synchronous)
+        try:
+            store = Store(cfg.store.path, read_only=True)
+        except StoreError as exc:
+            print(f"megatrace alertbot report: {exc}", file=sys.stderr)
+            return 1
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(args.output) if args.output else Path(cfg.report.directory) / name
-        summary = build_report(
-            store, since.timestamp(), until.timestamp(), path, cfg.report.top_n, cfg.report.timezone
-        )
-        store.close()
+        try:
+            summary = build_report(
+                store, since.timestamp(), until.timestamp(), path, cfg.report.top_n, cfg.report.timezone
+            )
+        finally:
+            store.close()
         print(json.dumps({"path": str(path), "episodes": summary["total"]}))
         return 0
     if args.output:
         cfg.report.directory = str(Path(args.output).parent)
-    service = Service(cfg)
-    service.httpd.server_close()
+    service = Service(cfg, listen=False)  # a running bot may hold the port, and may deliver these too
     summary = service.queue_report(since, until, on_demand=True)
     deadline = time.monotonic() + 120
 
@@ -103,7 +108,7 @@ def run_report(args: argparse.Namespace) -> int:
         return sum(1 for row in rows if row["state"] in ("pending", "sending"))
 
     while undelivered() and time.monotonic() < deadline:
-        service.delivery.deliver_due()
+        service.delivery.deliver_due(only=summary["outbox"])
         time.sleep(0.2)
     left = undelivered()
     dead = [i for i in summary["outbox"] if service.store.outbox_row(i)["state"] == "dead"]

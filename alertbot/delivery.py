@@ -17,6 +17,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -173,10 +174,10 @@ class Delivery:
 
     # -- the loop -------------------------------------------------------------------------------------
 
-    def deliver_due(self, now: float | None = None, limit: int = 200) -> int:
-        """Attempt every due notification once; returns the number attempted."""
+    def deliver_due(self, now: float | None = None, limit: int = 200, only: Sequence[int] = ()) -> int:
+        """Attempt every due notification (or those of ids `only`) once; returns the number attempted."""
         attempted = 0
-        for row in self.store.due_outbox(time.time() if now is None else now, limit):
+        for row in self.store.due_outbox(time.time() if now is None else now, limit, only):
             current = time.time() if now is None else now
             wait = self.limiter.acquire(self.limits(row), current)
             if wait > 0:
@@ -205,6 +206,8 @@ class Delivery:
             self.metrics.dead.labels(row["channel"]).inc()
             return
         attempt_id = self.store.begin_attempt(row["id"], now, message)
+        if attempt_id is None:
+            return
         result = self.send(row, message)
         self.finish(self.store.outbox_row(row["id"]), attempt_id, result, time.time())
 

@@ -35,7 +35,9 @@ QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or
 class Service:
     """Everything the bot runs, built from one configuration."""
 
-    def __init__(self, cfg: AlertbotConfig) -> None:
+    def __init__(self, cfg: AlertbotConfig, listen: bool = True) -> None:
+        """`listen=False` builds everything but the HTTP server (``alertbot report --send`` runs
+        beside a bot that holds the port)."""
         self.cfg = cfg
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -59,11 +61,12 @@ class Service:
             self.pipeline, self.renderer, cfg.drilldown, self.metrics, self.wake
         )
         self.scheduler = BackgroundScheduler(timezone=cfg.report.timezone)
-        self.httpd = make_server(self)
+        self.httpd = make_server(self) if listen else None
         self._threads: list[threading.Thread] = []
 
     @property
     def port(self) -> int:
+        assert self.httpd is not None, "built with listen=False"
         return int(self.httpd.server_address[1])
 
     def wake(self) -> None:
@@ -171,6 +174,8 @@ class Service:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.httpd is None:
+            raise RuntimeError("a Service built with listen=False cannot be started")
         recovered = self.delivery.recover()
         if recovered:
             log.warning("recovered %d deliveries left in flight by the previous run", recovered)
@@ -207,8 +212,9 @@ class Service:
         self._stop.set()
         self._wake.set()
         self.scheduler.shutdown(wait=False)
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=10)
         self.drilldowns.shutdown()

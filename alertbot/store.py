@@ -63,21 +63,51 @@ MIGRATIONS: tuple[str, ...] = (
 OPEN_STATES = ("pending", "sending")
 
 
-class Store:
-    """One SQLite database shared by the bot's threads (a connection guarded by a re-entrant lock)."""
+class StoreError(Exception):
+    """The database cannot be used (missing, not the bot's, or from another schema version)."""
 
-    def __init__(self, path: str | Path, synchronous: str = "FULL") -> None:
+
+class Store:
+    """One SQLite database shared by the bot's threads (a connection guarded by a re-entrant lock).
+
+    `read_only` opens an existing database for reading only (reports), beside a bot that is writing
+    it: WAL lets the reader see the last committed state without blocking the bot or being blocked.
+    """
+
+    def __init__(self, path: str | Path, synchronous: str = "FULL", read_only: bool = False) -> None:
         self.path = Path(path)
-        if str(path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._depth = 0
+        if read_only:
+            self.db = self._open_read_only()
+            return
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         self.db.execute("PRAGMA foreign_keys=ON")
         self.migrate()
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        if not self.path.is_file():
+            raise StoreError(f"{self.path}: no alert bot database here (store.path)")
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"
+        db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30)
+        db.row_factory = sqlite3.Row
+        try:
+            version = int(db.execute("SELECT MAX(version) FROM schema_version").fetchone()[0] or 0)
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            raise StoreError(f"{self.path}: not an alert bot database ({exc})") from None
+        if version != len(MIGRATIONS):
+            db.close()
+            raise StoreError(
+                f"{self.path}: schema version {version}, this bot reads {len(MIGRATIONS)}; "
+                "run the matching bot version on it first"
+            )
+        return db
 
     def close(self) -> None:
         with self._lock:
@@ -241,12 +271,13 @@ class Store:
     def outbox_row(self, outbox_id: int) -> sqlite3.Row | None:
         return self.one("SELECT * FROM outbox WHERE id = ?", (outbox_id,))
 
-    def due_outbox(self, now: float, limit: int = 200) -> list[sqlite3.Row]:
-        """Pending notifications that are due, the most urgent level first."""
+    def due_outbox(self, now: float, limit: int = 200, only: Sequence[int] = ()) -> list[sqlite3.Row]:
+        """Pending notifications that are due, the most urgent level first (only ids `only` if given)."""
+        among = f"AND id IN ({', '.join('?' for _ in only)}) " if only else ""
         return self.query(
-            "SELECT * FROM outbox WHERE state = 'pending' AND not_before <= ? ORDER BY level, not_before, id "
-            "LIMIT ?",
-            (now, limit),
+            f"SELECT * FROM outbox WHERE state = 'pending' AND not_before <= ? {among}"
+            "ORDER BY level, not_before, id LIMIT ?",
+            (now, *only, limit),
         )
 
     def next_due(self) -> float | None:
@@ -261,13 +292,18 @@ class Store:
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self.execute(f"UPDATE outbox SET {assignments} WHERE id = ?", (*fields.values(), outbox_id))
 
-    def begin_attempt(self, outbox_id: int, now: float, payload: dict[str, Any]) -> int:
-        """Record that a send is starting (committed before the request leaves) and freeze the payload."""
+    def begin_attempt(self, outbox_id: int, now: float, payload: dict[str, Any]) -> int | None:
+        """Claim a pending row and record that its send is starting (committed before the request
+        leaves), freezing the payload. None when the row is no longer pending: another process
+        sharing the database (e.g. ``alertbot report --send`` beside the bot) claimed it first."""
         with self.transaction() as db:
-            db.execute(
-                "UPDATE outbox SET state = 'sending', attempts = attempts + 1, payload = ? WHERE id = ?",
+            claimed = db.execute(
+                "UPDATE outbox SET state = 'sending', attempts = attempts + 1, payload = ? "
+                "WHERE id = ? AND state = 'pending'",
                 (json.dumps(payload, ensure_ascii=False), outbox_id),
-            )
+            ).rowcount
+            if not claimed:
+                return None
             cur = db.execute("INSERT INTO attempts (outbox_id, started_at) VALUES (?, ?)", (outbox_id, now))
             return int(cur.lastrowid)
 

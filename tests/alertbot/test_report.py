@@ -5,12 +5,17 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import sys
+import threading
+import time
 import zipfile
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import openpyxl
 import pytest
+import requests
 import yaml
 
 from megatrace.alertbot.report import build_report
@@ -18,6 +23,7 @@ from megatrace.alertbot.service import Service
 from megatrace.cli import main
 from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
 from tests.support.feishu_server import FeishuServer
+from tests.support.services import free_port, running
 
 
 def at(day: int, hour: int, minute: int = 0) -> float:
@@ -241,7 +247,7 @@ def test_report_is_sent_to_feishu_as_file_and_card(tmp_path: Path, feishu: Feish
 
 
 def test_scheduled_weekly_report_goes_to_the_console_without_feishu(tmp_path: Path) -> None:
-    bot = Service(config(tmp_path, report={"cron": "0 9 * * 1", "timezone": "UTC"}))
+    bot = Service(config(tmp_path, report={"cron": "0 9 * * 1", "timezone": "UTC"}), listen=False)
     try:
         bot.weekly_report()
         bot.delivery.deliver_due()
@@ -251,5 +257,67 @@ def test_scheduled_weekly_report_goes_to_the_console_without_feishu(tmp_path: Pa
         bot.weekly_report()  # the scheduler firing twice for one period sends it once
         assert bot.delivery.deliver_due() == 0
     finally:
-        bot.httpd.server_close()
         bot.store.close()
+
+
+@pytest.mark.slow
+def test_report_beside_a_running_bot_that_writes_the_database(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = write_config(tmp_path, listen=f"127.0.0.1:{port}", dedupe={"storm_threshold": 0})
+    base = f"http://127.0.0.1:{port}"
+    bot = [sys.executable, "-m", "megatrace.cli", "alertbot", "--config", str(cfg)]
+    report = [sys.executable, "-m", "megatrace.cli", "alertbot", "report", "--config", str(cfg)]
+    now = datetime.now(UTC)
+    period = [
+        "--since",
+        f"{now - timedelta(days=1):%Y-%m-%dT%H:%M}",
+        "--until",
+        f"{now + timedelta(days=1):%Y-%m-%dT%H:%M}",
+    ]
+    console = tmp_path / "console.jsonl"
+    stop = threading.Event()
+    posted: list[int] = []
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def console_kinds() -> list[str]:
+        return [json.loads(x)["kind"] for x in console.read_text().splitlines()] if console.exists() else []
+
+    def keep_posting() -> None:  # the bot writes the database all through the report runs
+        while not stop.is_set():
+            item = alert(
+                "MegatraceSlowRank", severity="P1", starts_at=time.time(), job="llm", rank=str(len(posted))
+            )
+            answer = requests.post(f"{base}/alertmanager", json=webhook(item), headers=auth, timeout=10)
+            posted.append(answer.status_code)
+
+    with running(bot, f"{base}/healthz", tmp_path / "bot.log"):
+        poster = threading.Thread(target=keep_posting)
+        poster.start()
+        try:
+            while len(posted) < 5:
+                time.sleep(0.05)
+            written = subprocess.run(
+                [*report, *period, "--output", str(tmp_path / "live.xlsx")],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            sent = subprocess.run([*report, *period, "--send"], capture_output=True, text=True, timeout=120)
+        finally:
+            stop.set()
+            poster.join()
+        assert written.returncode == 0, written.stderr
+        assert sent.returncode == 0, sent.stderr
+        for run in (written, sent):
+            assert "locked" not in run.stderr and "Traceback" not in run.stderr
+        episodes = json.loads(written.stdout)["episodes"]
+        assert 5 <= episodes <= len(posted)
+        assert openpyxl.load_workbook(tmp_path / "live.xlsx")["Detail"].max_row == episodes + 1
+        assert json.loads(sent.stdout)["undelivered"] == 0
+        deadline = time.monotonic() + 60
+        while console_kinds().count("firing") < len(posted) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert requests.get(f"{base}/healthz", timeout=5).json()["status"] == "ok"
+    assert set(posted) == {200}
+    assert console_kinds().count("firing") == len(posted)
+    assert console_kinds().count("report") == 1  # the bot and the command never both send it

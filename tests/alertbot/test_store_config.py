@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from megatrace.alertbot.config import cron_trigger, load
-from megatrace.alertbot.store import MIGRATIONS, Store
+from megatrace.alertbot.store import MIGRATIONS, Store, StoreError
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
 from tests.alertbot.conftest import Bot, alert, config, webhook
@@ -155,3 +156,35 @@ def test_report_cron_reads_weekdays_as_cron_does(tmp_path: Path) -> None:
         path.write_text("auth: {bearer_token: tok-1234}\n" + bad + "\n")
         with pytest.raises(ConfigError, match="key 'report'"):
             load(path)
+
+
+def test_read_only_store_reads_and_refuses_to_write(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert(job="llm")), T0)
+    reader = Store(bot.cfg.store.path, read_only=True)
+    try:
+        assert [r["status"] for r in reader.episodes_between(T0 - 60, T0 + 60)] == ["firing"]
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            reader.execute("DELETE FROM episodes")
+    finally:
+        reader.close()
+    assert len(bot.store.query("SELECT * FROM episodes")) == 1
+    with pytest.raises(StoreError, match="no alert bot database"):
+        Store(tmp_path / "missing.db", read_only=True)
+    (tmp_path / "other.db").write_bytes(b"not a database at all" * 100)
+    with pytest.raises(StoreError, match="not an alert bot database"):
+        Store(tmp_path / "other.db", read_only=True)
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_row_is_claimed_by_one_sender_only(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    bot.receive(webhook(alert(job="llm")), T0)
+    other = Store(bot.cfg.store.path)  # a second process sharing the database
+    (row,) = bot.store.due_outbox(1e12)
+    message = bot.delivery.render(row, T0)
+    assert other.begin_attempt(row["id"], T0, message) is not None
+    assert bot.store.begin_attempt(row["id"], T0, message) is None
+    assert bot.delivery.deliver_due(T0 + 1) == 0 and bot.console() == []
+    assert len(bot.store.attempts_of(row["id"])) == 1
+    other.close()
