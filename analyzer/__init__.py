@@ -19,12 +19,12 @@ def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = Fal
 
     if isinstance(paths, str | Path):
         paths = [paths]
-    resolved = layout if isinstance(layout, Layout) or layout is None else None
-    if isinstance(layout, LayoutConfig) and layout.world_size:
-        resolved = resolve(layout)
-    table, loaded = load(list(paths), resolved, progress)
-    if isinstance(layout, LayoutConfig) and resolved is None:
-        resolved = resolve(layout, table.world_size or None)
+    table, loaded = load(list(paths), layout, progress)
+    resolved = layout
+    if isinstance(layout, LayoutConfig):
+        resolved = (
+            resolve(layout, table.world_size or None) if table.world_size or layout.world_size else None
+        )
     hang = detect_hang(table, stall_s)
     slow = detect_slow(table, resolved)
     return build_report(table, loaded, hang, slow, resolved), table

@@ -27,6 +27,7 @@ class HangSuspect:
     evidence: str
     cause: str  # "rank_missing" | "communication_stuck" | "deadlock" | "no_log"
     waited_by: list[int] = field(default_factory=list)
+    group: tuple[int, ...] = ()  # the communicator's members, for a stuck communication
 
 
 @dataclass
@@ -95,9 +96,15 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         members_last.setdefault(comm, {})[rank] = seq
     frontier_block: dict[int, tuple[int, int]] = {}
     for comm, seen in members_last.items():
+        members = table.comms[comm].members
+        if _unmatched_channel(table, comm):
+            # a send/recv no peer ever logged: its rank waits in the first one (the peer is unknown)
+            (m,) = members
+            if m in ranks_present and not table.ranks[m].has_completion:
+                frontier_block.setdefault(m, (comm, _first_seq(table, m, comm)))
+            continue
         if not _usable(table, comm):
             continue
-        members = table.comms[comm].members
         lasts = [seen.get(m, -1) for m in members]
         stuck = min(lasts) + 1
         if stuck > max(lasts):
@@ -125,7 +132,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         missing = {m for m in members if members_last.get(comm, {}).get(m, -1) < seq}
         if missing:
             waits[rank] = missing
-        else:
+        elif not _unmatched_channel(table, comm):
             stuck_comms.setdefault((comm, seq), []).append(rank)
     suspects: list[HangSuspect] = []
     culprits: dict[int, list[int]] = {}
@@ -133,7 +140,26 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         for target in targets:
             if target not in blocked:
                 culprits.setdefault(target, []).append(rank)
+    entered_last = _all_entered_last(table, culprits)
     for target, waiters in sorted(culprits.items(), key=lambda item: (-len(item[1]), item[0])):
+        if target in entered_last:
+            comm, seq = entered_last[target]
+            members = table.comms[comm].members
+            suspects.append(
+                HangSuspect(
+                    target,
+                    round(0.5 + 0.3 / len(members), 2),
+                    f"all {len(members)} members of {_label(table, comm)} entered "
+                    f"{OPS[_op_at(table, target, comm, seq)]} #{seq} as their last logged call and none "
+                    f"logged anything after it while {len(waiters)} peer(s) wait on rank {target}: the "
+                    "communication "
+                    "itself is likely stuck (these logs have no completion times to confirm it).",
+                    "communication_stuck",
+                    sorted(waiters),
+                    members,
+                )
+            )
+            continue
         comm, seq = blocked[waiters[0]]
         op = OPS[_op_at(table, waiters[0], comm, seq)]
         age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
@@ -173,6 +199,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                         f"completed it in {age:.1f} s: the communication itself is stuck (network/NCCL), "
                         "no rank is missing.",
                         "communication_stuck",
+                        group=members,
                     )
                 )
     if not suspects and waits:
@@ -207,6 +234,35 @@ def _deadlock(table: TraceTable, waits: dict[int, set[int]], blocked: dict) -> l
             )
         )
     return out
+
+
+def _all_entered_last(table: TraceTable, culprits: dict[int, list[int]]) -> dict[int, tuple[int, int]]:
+    """Culprits with enqueue-only logs whose last call is one collective instance that every member of
+    its communicator logged as its last call too: (comm, seq) per such culprit."""
+    last: dict[int, tuple[int, int]] = {}
+    for rank in culprits:
+        info = table.ranks.get(rank)
+        lo, hi = table.rank_span(rank)
+        if info is None or info.has_completion or hi == lo:
+            continue
+        row = lo + int(np.argmax(table["enqueue_ns"][lo:hi]))
+        last[rank] = (int(table["comm"][row]), int(table["seq"][row]))
+    out = {}
+    for rank, (comm, seq) in last.items():
+        members = table.comms[comm].members
+        if len(members) >= 2 and all(last.get(m) == (comm, seq) for m in members):
+            out[rank] = (comm, seq)
+    return out
+
+
+def _unmatched_channel(table: TraceTable, comm: int) -> bool:
+    c = table.comms[comm]
+    return c.p2p and len(c.members) == 1
+
+
+def _first_seq(table: TraceTable, rank: int, comm: int) -> int:
+    lo, hi = table.rank_span(rank)
+    return int(table["seq"][lo:hi][table["comm"][lo:hi] == comm].min())
 
 
 def _find(table: TraceTable, rank: int, comm: int, seq: int) -> int:

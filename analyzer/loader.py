@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrace.analyzer.flight_recorder import flight_recorder_calls, load_dump, looks_like_flight_recorder
-from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 from megatrace.analyzer.nccl_comms import nccl_rank_calls
 from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
 from megatrace.analyzer.progress import Progress
 from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
-from megatrace.analyzer.tracer_files import snapshot_calls
+from megatrace.analyzer.tracer_files import read_ring_file, snapshot_calls
 from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
-from megatrace.tracer.ringfile import MAGIC, read_ring
+from megatrace.tracer.ringfile import MAGIC
 
 PRIORITY = {"ring": 3, "dump": 2, "flight-recorder": 1, "nccl-log": 1}
 
@@ -87,7 +87,7 @@ def _read_one(path: Path, report: LoadReport) -> tuple[str, object] | None:
         return None
     try:
         if fmt == "ring":
-            return fmt, snapshot_calls(read_ring(path), str(path), fmt)
+            return fmt, snapshot_calls(read_ring_file(path), str(path), fmt)
         if fmt == "dump":
             return fmt, snapshot_calls(read_dump(path), str(path), fmt)
         raw = path.read_bytes()
@@ -104,9 +104,13 @@ def _read_one(path: Path, report: LoadReport) -> tuple[str, object] | None:
 
 
 def load(
-    paths: list[str | Path], layout: Layout | None = None, progress: bool = False
+    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
 ) -> tuple[TraceTable, LoadReport]:
-    """Read every trace file under `paths` into one `TraceTable`."""
+    """Read every trace file under `paths` into one `TraceTable`.
+
+    A `LayoutConfig` without a world size is resolved with the highest rank that left a log (it helps
+    to tell communicators apart in NCCL logs); `LayoutError` when the sizes do not fit.
+    """
     report = LoadReport()
     files = find_files(paths, report)
     bar = Progress(len(files), "loading traces", progress)
@@ -127,6 +131,9 @@ def load(
             continue
         _keep_best(by_rank, fmt, item, report)
     bar.close()
+    if isinstance(layout, LayoutConfig):
+        seen = [*by_rank, *(log.rank for log in nccl_logs)]
+        layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     for calls in nccl_rank_calls(nccl_logs, layout):
         _keep_best(by_rank, "nccl-log", calls, report)
     builder = TableBuilder()

@@ -5,9 +5,9 @@ hash it is a prefix of. Calls without a usable hash (older builds, or ``groupHas
 communicators made by ``ncclCommSplit``) are grouped per rank by CUDA stream (each process group has
 its own stream, and ``opCount`` counts per communicator), then matched across ranks by their call
 signature (the most frequent ``(op, count)``). Parallel groups with identical signatures (all TP
-groups, say) are split with the layout when one is given: among the layout dimensions whose groups
-tile the ranks, the one whose members issue each call closest together wins. Without a layout they
-stay one merged group, which still lets the detectors find the rank behind or late.
+groups, say) are split with the layout when one is given (see `_assign_groups`: a collective lets
+no member go before the last one arrived, so the dimension under which that holds wins). Without a
+layout they stay one merged group, which still lets the detectors find the rank behind or late.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from megatrace.analyzer.layout import DIMS, Layout
 from megatrace.analyzer.nccl_log import NcclRankLog
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
 
+P2P_SIGNATURE = 255  # op of a send/receive stream's signature
 DTYPE_BYTES = 2  # counts are elements; fp16/bf16 is the common case for training traffic
 
 
@@ -44,11 +45,30 @@ def _hash_canonical(logs: list[NcclRankLog]) -> dict[int, int]:
 
 
 def _signature(log: NcclRankLog, rows: np.ndarray) -> tuple[int, int]:
-    pairs = Counter(zip(log.op[rows].tolist(), log.count[rows].tolist(), strict=True))
+    """The most frequent (op, count) of a stream; sends and receives count as one op (`P2P_SIGNATURE`)."""
+    ops = np.where(np.isin(log.op[rows], list(P2P_OPS)), P2P_SIGNATURE, log.op[rows])
+    pairs = Counter(zip(ops.tolist(), log.count[rows].tolist(), strict=True))
     return max(pairs.items(), key=lambda item: (item[1], item[0]))[0]
 
 
-def _spread(groups: list[tuple[int, ...]], times: dict[int, dict[int, int]]) -> float:
+def _violations(groups: list[tuple[int, ...]], times: dict[int, dict[int, tuple[int, int]]]) -> float:
+    """Share of calls where, if `groups` were the communicators, a member would have issued its next
+    call before the last member arrived (a collective lets nobody go before everybody is in)."""
+    checked = violated = 0
+    for group in groups:
+        series = [times[r] for r in group if r in times]
+        if len(series) < 2:
+            continue
+        shared = set.intersection(*(set(s) for s in series))
+        for op_count in sorted(shared)[-64:]:
+            calls = [s[op_count] for s in series]
+            last_in = max(enq for enq, _next in calls)
+            checked += 1
+            violated += any(nxt < last_in for _enq, nxt in calls)
+    return violated / checked if checked else 1.0
+
+
+def _spread(groups: list[tuple[int, ...]], times: dict[int, dict[int, tuple[int, int]]]) -> float:
     """Median over groups and shared opCounts of the time between first and last member's call."""
     spreads = []
     for group in groups:
@@ -57,33 +77,72 @@ def _spread(groups: list[tuple[int, ...]], times: dict[int, dict[int, int]]) -> 
             continue
         shared = set.intersection(*(set(s) for s in series))
         for op_count in sorted(shared)[-64:]:
-            values = [s[op_count] for s in series]
+            values = [s[op_count][0] for s in series]
             spreads.append(max(values) - min(values))
     return float(np.median(spreads)) if spreads else float("inf")
 
 
-def _split_class(
-    ranks: set[int], times: dict[int, dict[int, int]], layout: Layout | None
-) -> list[tuple[int, ...]]:
+def _assign_groups(
+    classes: dict[tuple[int, int], set[int]],
+    times: dict[tuple[int, int], dict[int, dict[int, tuple[int, int]]]],
+    layout: Layout | None,
+) -> dict[tuple[int, int], list[tuple[int, ...]]]:
+    """Split every class of calls into the groups of one layout dimension.
+
+    Candidates per class are the dimensions whose groups cover its ranks (sends/receives: only PP).
+    They are ranked by how often a member would have left a collective before its last member
+    arrived, then by how close together members issue calls; a rank is in one group per dimension,
+    so two classes that share ranks (two communicators on its streams) get different dimensions.
+    """
+    out: dict[tuple[int, int], list[tuple[int, ...]]] = {
+        sig: [tuple(sorted(r))] for sig, r in classes.items()
+    }
     if layout is None:
-        return [tuple(sorted(ranks))]
-    best: tuple[float, list[tuple[int, ...]]] | None = None
-    for dim in DIMS:
-        if layout.sizes[dim] < 2:
-            continue
-        groups = [g for g in layout.groups(dim) if set(g) & ranks]
-        if any(not set(g) <= ranks for g in groups) or len(groups) < 2:
-            continue
-        score = _spread(groups, times)
-        if best is None or score < best[0]:
-            best = (score, groups)
-    return best[1] if best else [tuple(sorted(ranks))]
+        return out
+    ranked = []
+    for sig, ranks in classes.items():
+        dims = ("pp",) if sig[0] == P2P_SIGNATURE else DIMS
+        options = []
+        for dim in dims:
+            if layout.sizes[dim] < 2 or max(ranks) >= layout.world_size:
+                continue
+            groups = [g for g in layout.groups(dim) if set(g) & ranks]
+            if len(groups) < 2 and not set(groups[0]) <= ranks:
+                continue
+            options.append(((_violations(groups, times[sig]), _spread(groups, times[sig])), dim, groups))
+        if options:
+            options.sort(key=lambda option: option[0])
+            ranked.append((options[0][0], sig, options))
+    used: list[tuple[set[int], str]] = []
+    for _best, sig, options in sorted(ranked, key=lambda item: item[0]):
+        ranks = classes[sig]
+        for _score, dim, groups in options:
+            if sig[0] == P2P_SIGNATURE or not any(d == dim and ranks & r for r, d in used):
+                out[sig] = groups
+                used.append((ranks, dim))
+                break
+    return out
+
+
+def _layout_group(seen: set[int], layout: Layout) -> tuple[int, ...]:
+    """The smallest layout group holding every rank seen using a communicator (ranks that never reached
+    it leave no line, so the logs alone undercount its members); the ranks seen when none holds them."""
+    rank = min(seen)
+    holding = [
+        layout.group(rank, dim)
+        for dim in DIMS
+        if layout.sizes[dim] > 1 and rank < layout.world_size and seen <= set(layout.group(rank, dim))
+    ]
+    if len(seen) < 2 or not holding:
+        return tuple(sorted(seen))
+    return min(holding, key=len)
 
 
 def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> list[RankCalls]:
     """Turn parsed logs into `RankCalls` whose communicators are identified across ranks."""
     canonical = _hash_canonical(logs)
     hashed_members: dict[int, set[int]] = defaultdict(set)
+    collective_hashes: set[int] = set()
     local: dict[tuple[int, int], np.ndarray] = {}
     classes: dict[tuple[int, int], set[int]] = defaultdict(set)
     class_of: dict[tuple[int, int], tuple[int, int]] = {}
@@ -91,19 +150,32 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
     for i, log in enumerate(logs):
         usable = log.has_hash & (log.group_hash != 0)
         for value in np.unique(log.group_hash[usable]).tolist():
-            hashed_members[canonical.get(value, value)].add(log.rank)
+            full = canonical.get(value, value)
+            hashed_members[full].add(log.rank)
+            if not _all_p2p(log.op[usable & (log.group_hash == value)]):
+                collective_hashes.add(full)
+        enq = log.enqueue_ns
+        nxt = np.append(enq[1:], np.iinfo(np.int64).max)  # when this rank issued its next call
         for stream in np.unique(log.stream[~usable]).tolist():
             rows = np.flatnonzero(~usable & (log.stream == stream))
             sig = _signature(log, rows)
             local[(i, stream)] = rows
             classes[sig].add(log.rank)
             class_of[(i, stream)] = sig
+            tail = rows[-256:]
             times[sig][log.rank] = dict(
-                zip(log.op_count[rows].tolist()[-256:], log.enqueue_ns[rows].tolist()[-256:], strict=True)
+                zip(
+                    log.op_count[tail].tolist(),
+                    zip(enq[tail].tolist(), nxt[tail].tolist(), strict=True),
+                    strict=True,
+                )
             )
+    if layout is not None:
+        for full in collective_hashes:
+            hashed_members[full] = set(_layout_group(hashed_members[full], layout))
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
-    for sig, ranks in classes.items():
-        for group in _split_class(ranks, times[sig], layout):
+    for sig, groups in _assign_groups(classes, times, layout).items():
+        for group in groups:
             for rank in group:
                 group_of[(sig, rank)] = group
 

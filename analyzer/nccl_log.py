@@ -1,17 +1,22 @@
 """Reader for Megatrace NCCL logs (``rank_<r>.log`` from the patched NCCL): bytes to columns, vectorized.
 
 Each line is ``[save_count N] [sec.nsec] [Rank r] Fun Op Data count stream 0x.. opCount n [groupHash h]``.
-Parsing works on the whole file as a NumPy byte array (no per-line Python), so a core reads
-well over a million lines per second. Lines that do not have this exact shape (garbage, a line cut
-by a crash, a final line without newline) are counted and skipped, never fatal.
+A file whose every line has the full shape takes the fast path: pandas' C tokenizer reads the
+numeric fields directly (over a million lines per second per core). Any other file goes through the
+validating parser, which works on the whole file as a NumPy byte array (no per-line Python) and
+checks every token; lines that do not have the exact shape (garbage, a line cut by a crash, a final
+line without newline) are counted and skipped, never fatal. Both paths give the same result.
 """
 
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from megatrace.analyzer.table import OP_CODE
 
@@ -25,6 +30,12 @@ NCCL_OPS = {
     b"Send": "send",
     b"Recv": "recv",
 }
+# fast path: field positions once brackets and the timestamp's dot are spaces (see `_fast_fields`)
+_POW10 = np.array([10**k for k in range(20)], dtype=np.uint64)
+_FAST_TRANSLATE = bytes.maketrans(b"[].", b"   ")
+_FAST_FIELDS = 22
+_FAST_INTS = {"sec": 5, "nsec": 6, "rank": 10, "count": 15, "op_count": 19, "group_hash": 21}
+_FAST_COLUMNS = {**_FAST_INTS, "op": 13, "stream": 17, "head": 1, "opCount": 18}
 # token index -> literal it must equal (tokens are separated by single spaces)
 LITERALS = {
     0: b"[save_count",
@@ -133,8 +144,87 @@ def _op_codes(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarra
     return code
 
 
+def _fast_fields(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
+    """Fields of a log whose every line has the full documented shape (with ``groupHash``), parsed by
+    pandas' C tokenizer; None when any line does not, so that the validating parser handles it.
+
+    Brackets and the timestamp's dot become spaces, which gives every well-formed line the same 22
+    single-space-separated fields; only the numeric fields, the op name and the stream are read.
+    """
+    if not raw.endswith(b"\n"):
+        return None
+    lines = raw.count(b"\n")  # blank lines, CRLF or a bad field below send the file to the other parser
+    try:
+        frame = pd.read_csv(
+            io.BytesIO(raw.translate(_FAST_TRANSLATE)),
+            sep=" ",
+            header=None,
+            names=list(range(_FAST_FIELDS)),
+            usecols=list(_FAST_COLUMNS.values()),
+            dtype={column: "category" for name, column in _FAST_COLUMNS.items() if name not in _FAST_INTS},
+            quoting=csv.QUOTE_NONE,
+            encoding="latin-1",
+            engine="c",
+            na_filter=False,
+        )
+    except (ValueError, pd.errors.ParserError):
+        return None
+    if len(frame) != lines or any(frame[c].dtype != np.int64 for c in _FAST_INTS.values()):
+        return None
+    fields = {name: frame[column].to_numpy() for name, column in _FAST_INTS.items()}
+    op_cat = frame[_FAST_COLUMNS["op"]].cat
+    op_map = [NCCL_OPS.get(str(name).encode()) for name in op_cat.categories]
+    stream_cat = frame[_FAST_COLUMNS["stream"]].cat
+    if None in op_map or not all(str(v).startswith("0x") for v in stream_cat.categories):
+        return None
+    if [list(frame[_FAST_COLUMNS[word]].cat.categories) for word in ("head", "opCount")] != [
+        ["save_count"],
+        ["opCount"],
+    ]:
+        return None
+    try:
+        streams = np.array([int(str(v), 16) for v in stream_cat.categories], dtype=np.int64)
+    except (ValueError, OverflowError):
+        return None
+    if (fields["nsec"] >= 1_000_000_000).any() or (fields["nsec"] < 0).any():
+        return None
+    fields["op"] = np.array([OP_CODE[name] for name in op_map], dtype=np.uint8)[op_cat.codes.to_numpy()]
+    fields["stream"] = streams[stream_cat.codes.to_numpy()]
+    return fields, lines
+
+
+def _hash_digits(values: np.ndarray) -> np.ndarray:
+    """Number of decimal digits of each value (sign not counted)."""
+    magnitude = np.abs(values).astype(np.uint64)  # abs(-2**63) wraps to 2**63, right as uint64
+    return np.maximum(np.searchsorted(_POW10, magnitude, side="right"), 1).astype(np.int64)
+
+
+def _from_fast(fields: dict[str, np.ndarray], lines: int, path: str) -> NcclRankLog:
+    rank = int(np.bincount(fields["rank"] - fields["rank"].min()).argmax() + fields["rank"].min())
+    keep = fields["rank"] == rank
+    sel = {name: value[keep] for name, value in fields.items()}
+    return _finish(
+        path,
+        rank,
+        lines,
+        {
+            "enqueue_ns": sel["sec"] * 1_000_000_000 + sel["nsec"],
+            "op": sel["op"],
+            "count": sel["count"],
+            "stream": sel["stream"],
+            "op_count": sel["op_count"],
+            "group_hash": sel["group_hash"],
+            "has_hash": np.ones(len(sel["rank"]), dtype=bool),
+            "hash_digits": _hash_digits(sel["group_hash"]),
+        },
+    )
+
+
 def parse_nccl_bytes(raw: bytes, path: str = "") -> NcclRankLog:
     """Parse the bytes of one Megatrace NCCL log; see the module docstring for what is skipped."""
+    fast = _fast_fields(raw)
+    if fast is not None:
+        return _from_fast(*fast, path)
     data = np.frombuffer(raw, dtype=np.uint8)
     newlines = np.flatnonzero(data == 10)
     starts = np.concatenate(([0], newlines + 1)).astype(np.int64)
@@ -193,8 +283,13 @@ def parse_nccl_bytes(raw: bytes, path: str = "") -> NcclRankLog:
         "has_hash": has_hash[sel],
         "hash_digits": np.where(has_hash[sel], hdigits[sel], 0),
     }
-    # save batches overlap and repeat records: keep one row per (stream, opCount), ordered
-    order = np.lexsort((fields["enqueue_ns"], fields["op_count"], fields["stream"]))
+    return _finish(path, file_rank, total_lines, fields)
+
+
+def _finish(path: str, rank: int, total_lines: int, fields: dict[str, np.ndarray]) -> NcclRankLog:
+    """Drop repeated records of overlapping save batches (one row per (stream, opCount)), time-ordered."""
+    kept = len(fields["enqueue_ns"])
+    order = np.lexsort((fields["op_count"], fields["stream"]))  # stable: the first copy is kept
     key_s, key_o = fields["stream"][order], fields["op_count"][order]
     first = np.ones(len(order), dtype=bool)
     first[1:] = (key_s[1:] != key_s[:-1]) | (key_o[1:] != key_o[:-1])
@@ -203,10 +298,10 @@ def parse_nccl_bytes(raw: bytes, path: str = "") -> NcclRankLog:
     fields = {name: value[keep_rows] for name, value in fields.items()}
     return NcclRankLog(
         path=path,
-        rank=file_rank,
+        rank=rank,
         lines=total_lines,
-        skipped=total_lines - len(sel),
-        duplicates=len(sel) - len(keep_rows),
+        skipped=total_lines - kept,
+        duplicates=kept - len(keep_rows),
         **fields,
     )
 

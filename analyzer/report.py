@@ -30,6 +30,8 @@ def build_report(
                 "cause": s.cause,
             }
         )
+        if s.group:
+            suspects[-1]["communicator"] = list(s.group)
     if not suspects:
         for s in slow.suspects:
             entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}

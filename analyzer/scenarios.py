@@ -19,7 +19,14 @@ import numpy as np
 
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 from megatrace.analyzer.table import OP_CODE, OPS
-from megatrace.tracer.ringfile import OP_CODES, RECORD_DTYPE, W_WRITE_COUNT, RankIdentity, RingWriter, comm_id
+from megatrace.tracer.ringfile import (
+    OP_CODES,
+    RECORD_DTYPE,
+    W_CALLS_BY_OP,
+    RankIdentity,
+    RingWriter,
+    comm_id,
+)
 
 T0_NS = 1_755_000_000_000_000_000
 NCCL_NAMES = {
@@ -235,15 +242,28 @@ def _spans(trace: Trace):
     return zip(uniq.tolist(), starts.tolist(), ends.tolist(), strict=True)
 
 
-def write_ring_files(trace: Trace, job_dir: Path, gpus_per_node: int = 8, job: str = "sim") -> list[Path]:
-    """One ring file per rank, written with the tracer's `RingWriter` (records filled in bulk)."""
+def write_ring_files(
+    trace: Trace, job_dir: Path, gpus_per_node: int = 8, job: str = "sim", repeat: int = 1
+) -> list[Path]:
+    """One ring file per rank, written with the tracer's `RingWriter` (records filled in bulk).
+
+    `repeat` > 1 replays each rank's calls that many times back to back (sequence numbers and times
+    continue), which makes long traces of a healthy job cheaply (the scale bench).
+    """
     job_dir.mkdir(parents=True, exist_ok=True)
     world = max(max(c) for c in trace.comms) + 1
     ids = [comm_id(m) for m in trace.comms]
     op_map = np.array([OP_CODES.get(name, OP_CODES["barrier"]) for name in OPS], dtype=np.uint8)
+    instances = np.bincount(trace.comm_key, minlength=len(trace.comms))  # rows per comm, all ranks
+    period = int(max(trace.enqueue_ns.max(), trace.complete_ns.max()) - T0_NS) + 1_000_000
+    members = np.array([len(c) for c in trace.comms])
+    seq_steps = instances // np.maximum(members, 1)
     paths = []
     for rank, lo, hi in _spans(trace):
-        n = hi - lo
+        n = (hi - lo) * repeat
+        rows = np.tile(np.arange(lo, hi), repeat)
+        turn = np.repeat(np.arange(repeat), hi - lo)
+        seq_step = seq_steps[trace.comm_key[rows]]
         host = f"node{rank // gpus_per_node}"
         identity = RankIdentity(job, rank, rank % gpus_per_node, world, host, 1000 + rank, T0_NS)
         path = job_dir / f"rank-{rank}.trace"
@@ -252,20 +272,25 @@ def write_ring_files(trace: Trace, job_dir: Path, gpus_per_node: int = 8, job: s
         for k in keys.tolist():
             writer.add_communicator(ids[k], trace.comms[k])
         rec = np.ndarray(n, dtype=RECORD_DTYPE, buffer=writer.rec_b)
-        rec["comm_id"] = np.array(ids, dtype=np.uint64)[trace.comm_key[lo:hi]]
-        rec["seq"] = trace.seq[lo:hi]
-        rec["nbytes"] = trace.nbytes[lo:hi]
-        rec["enqueue_ns"] = trace.enqueue_ns[lo:hi]
-        rec["complete_ns"] = trace.complete_ns[lo:hi]
-        rec["step"] = trace.step[lo:hi]
+        rec["comm_id"] = np.array(ids, dtype=np.uint64)[trace.comm_key[rows]]
+        rec["seq"] = trace.seq[rows] + turn * seq_step
+        rec["nbytes"] = trace.nbytes[rows]
+        shift = turn * period
+        rec["enqueue_ns"] = trace.enqueue_ns[rows] + shift
+        rec["complete_ns"] = np.where(trace.complete_ns[rows] > 0, trace.complete_ns[rows] + shift, 0)
+        rec["step"] = trace.step[rows] + turn * (int(trace.step.max()) + 1)
         rec["rank"] = rank
-        rec["peer"] = trace.peer[lo:hi]
-        rec["op"] = op_map[trace.op[lo:hi]]
+        rec["peer"] = trace.peer[rows]
+        rec["op"] = op_map[trace.op[rows]]
         rec["serial"] = np.arange(1, n + 1)
+        calls = np.bincount(rec["op"], minlength=256)
         del rec
-        writer.header[W_WRITE_COUNT] = n
+        writer.serial = n
+        for code in np.flatnonzero(calls).tolist():
+            writer.header[W_CALLS_BY_OP + code] = int(calls[code])
         writer.close()
-        os.utime(path, ns=(trace.end_ns, trace.end_ns))
+        end = trace.end_ns + (repeat - 1) * period
+        os.utime(path, ns=(end, end))
         paths.append(path)
     return paths
 

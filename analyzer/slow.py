@@ -25,7 +25,7 @@ from megatrace.analyzer.table import TraceTable
 MIN_INSTANCES = 8
 MAX_INSTANCES = 4000
 MIN_REL = 0.02
-MIN_PERSISTENCE = 0.8
+MIN_PERSISTENCE = 0.7
 
 
 @dataclass
@@ -108,8 +108,7 @@ def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
         if len({hosts[m] for m in members.tolist()}) < 2:
             continue
         ref = done if done is not None else enq
-        base = ref[:, 0:1]
-        dev = np.median((ref - base) - np.median(ref - base, axis=0, keepdims=True), axis=1)
+        dev = np.median(ref - np.median(ref, axis=0, keepdims=True), axis=1)
         for m, d in zip(members.tolist(), dev.tolist(), strict=True):
             per_rank.setdefault(m, []).append(d)
     per_host: dict[str, list[float]] = {}
@@ -153,19 +152,24 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
         m: {c for c, (rel, pers, _cl) in comms.items() if rel >= MIN_REL and pers >= MIN_PERSISTENCE}
         for m, comms in late.items()
     }
-    stragglers = [m for m, comms in late.items() if comms and is_late[m] == set(comms)]
+    # communicators inside one host share a clock: lateness there needs no skew correction, so a rank
+    # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
+    local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
+    judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
+    stragglers = [m for m, comms in late.items() if comms and is_late[m] >= judged[m]]
     suspects = []
     for m in stragglers:
-        rel = min(late[m][c][0] for c in late[m])
-        pers = min(late[m][c][1] for c in late[m])
-        worst = max(late[m].values(), key=lambda item: item[0])
+        rel = min(late[m][c][0] for c in judged[m])
+        pers = min(late[m][c][1] for c in judged[m])
+        worst = max((late[m][c] for c in judged[m]), key=lambda item: item[0])
         cl = worst[2]
         suspects.append(
             SlowSuspect(
                 m,
                 round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
                 f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
-                f"communicator it is in, by a median {worst[0]:.1%} of the call interval "
+                f"{'same-host ' if judged[m] <= local else ''}communicator it is in, by a median "
+                f"{worst[0]:.1%} of the call interval "
                 f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
                 f"{len(cl.members)} ranks).",
                 rel,

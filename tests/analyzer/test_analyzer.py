@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
+import sys
+import time
 
+import numpy as np
 import pytest
 
 from megatrace.analyzer import analyze
 from megatrace.analyzer import scenarios as S
 from megatrace.analyzer.layout import LayoutConfig, LayoutError, resolve
-from megatrace.analyzer.nccl_log import parse_nccl_bytes
+from megatrace.analyzer.nccl_log import _fast_fields, parse_nccl_bytes
+from megatrace.analyzer.progress import Progress
 from megatrace.cli import main
 
 LINE = (
@@ -40,6 +46,11 @@ def test_healthy_slow_hang_stuck_in_every_format(tmp_path, fmt):
         assert report["verdict"] == expected, (name, report["suspects"])
         named = {s["rank"] for s in report["suspects"]}
         assert named == (trace.truth_slow if name == "slow" else trace.truth_hang), name
+        if name == "stuck":  # every member entered, none completed: the communicator, not one rank
+            assert {s["cause"] for s in report["suspects"]} == {"communication_stuck"}
+            assert all(s["communicator"] == sorted(trace.truth_hang) for s in report["suspects"])
+        if name == "hang":
+            assert {s["cause"] for s in report["suspects"]} == {"rank_missing"}
 
 
 def test_report_contract_and_positions(tmp_path):
@@ -135,3 +146,112 @@ def test_cli_formats_layout_file_and_errors(tmp_path, capsys):
     layout.write_text("tp: 2\nbogus: 1\n")
     assert main(["analyze", str(logs), "--layout", str(layout)]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_fast_and_validating_nccl_parsers_agree(tmp_path):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=12))
+    S.write_nccl_logs(trace, tmp_path, duplicate_batches=True)
+    raw = (tmp_path / "rank_2.log").read_bytes()
+    assert _fast_fields(raw) is not None and _fast_fields(raw + b"garbage\n") is None
+    fast, checked = parse_nccl_bytes(raw, "rank_2.log"), parse_nccl_bytes(raw + b"garbage\n", "rank_2.log")
+    assert (fast.rank, fast.skipped, checked.skipped) == (
+        2,
+        0,
+        1,
+    ) and fast.duplicates == checked.duplicates > 0
+    for name in ("enqueue_ns", "op", "count", "stream", "op_count", "group_hash", "has_hash", "hash_digits"):
+        assert np.array_equal(getattr(fast, name), getattr(checked, name)), name
+
+
+def _flight_recorder_dump(path, rank, pg_config, entries):
+    data = {"version": "2.5", "rank": rank, "pg_config": pg_config, "entries": entries}
+    path.write_bytes(pickle.dumps(data))
+
+
+def _entry(record_id, pg, seq, name, created_ns, done):
+    return {
+        "record_id": record_id,
+        "pg_id": pg,
+        "process_group": [pg, ""],
+        "collective_seq_id": seq,
+        "profiling_name": f"nccl:{name}",
+        "time_created_ns": created_ns,
+        "input_sizes": [[1024]],
+        "input_dtypes": ["Float"],
+        "state": "completed" if done else "started",
+        "time_discovered_completed_ns": created_ns + 1000 if done else None,
+    }
+
+
+def test_flight_recorder_pickle_round_trip(tmp_path):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=12, hang_rank=[5], hang_at=20))
+    S.write_flight_recorder(trace, tmp_path / "json")
+    for path in sorted((tmp_path / "json").iterdir()):  # torch writes pickles by default
+        (tmp_path / "pickle").mkdir(exist_ok=True)
+        target = tmp_path / "pickle" / path.stem
+        target.write_bytes(pickle.dumps(json.loads(path.read_text())))
+        os.utime(target, ns=(path.stat().st_mtime_ns, path.stat().st_mtime_ns))
+    from_json = analyze([tmp_path / "json"], LayoutConfig(tp=2))
+    from_pickle = analyze([tmp_path / "pickle"], LayoutConfig(tp=2))
+    assert from_pickle["inputs"]["files_by_format"] == {"flight-recorder": 8}
+    assert from_pickle["suspects"] == from_json["suspects"] and from_pickle["suspects"][0]["rank"] == 5
+    (tmp_path / "pickle" / "nccl_trace_rank_9").write_bytes(
+        pickle.dumps({"version": "2.5", "entries": [Progress]})
+    )
+    report = analyze([tmp_path / "pickle"], LayoutConfig(tp=2))
+    assert "refusing to load" in report["inputs"]["ignored"][str(tmp_path / "pickle" / "nccl_trace_rank_9")]
+
+
+def test_deadlock_and_rank_without_log(tmp_path):
+    old = time.time_ns() - 60_000_000_000
+    pgs = {"a": {"ranks": "[0, 1]"}, "b": {"ranks": "[0, 1]"}}
+    # rank 0 waits in a#2, which rank 1 never issued; rank 1 waits in b#1, which rank 0 never issued
+    done = _entry(0, "a", 1, "all_reduce", old, True)
+    _flight_recorder_dump(
+        tmp_path / "nccl_trace_rank_0", 0, pgs, [done, _entry(1, "a", 2, "all_reduce", old, False)]
+    )
+    _flight_recorder_dump(
+        tmp_path / "nccl_trace_rank_1", 1, pgs, [done, _entry(1, "b", 1, "broadcast", old, False)]
+    )
+    report = analyze([tmp_path])
+    assert report["verdict"] == "hang" and {s["rank"] for s in report["suspects"]} == {0, 1}
+    assert {s["cause"] for s in report["suspects"]} == {"deadlock"} and "deadlock" in report["suspects"][0][
+        "evidence"
+    ]
+
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    world = {"w": {"ranks": "[0, 1, 2, 3]"}}
+    for rank in range(3):  # rank 3 left no file at all
+        entries = [_entry(0, "w", 1, "all_reduce", old, True), _entry(1, "w", 2, "all_reduce", old, False)]
+        _flight_recorder_dump(lost / f"nccl_trace_rank_{rank}", rank, world, entries)
+    report = analyze([lost])
+    top = report["suspects"][0]
+    assert (report["verdict"], top["rank"], top["cause"]) == ("hang", 3, "no_log")
+    assert report["victims"] == [0, 1, 2]
+
+
+def test_progress_bar_and_quiet(tmp_path, capsys, monkeypatch):
+    stream = io.StringIO()
+    bar = Progress(3, "loading traces", True, stream)
+    for _ in range(3):
+        bar.advance()
+    bar.close()
+    assert "loading traces [" in stream.getvalue() and "(3/3)" in stream.getvalue()
+    silent = io.StringIO()
+    Progress(3, "loading traces", False, silent).advance(3)
+    assert silent.getvalue() == ""
+
+    _write(S.simulate(S.Scenario(world=8, tp=2, steps=12)), "ring", tmp_path)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["analyze", str(tmp_path)]) == 0
+    assert "loading traces [" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_replayed_long_traces_stay_healthy(tmp_path):
+    trace = S.simulate(S.Scenario(world=8, tp=2, steps=6))
+    S.write_ring_files(trace, tmp_path, repeat=4)
+    report = analyze([tmp_path], LayoutConfig(tp=2))
+    assert report["verdict"] == "healthy" and report["records"] == 4 * len(trace.rank)
