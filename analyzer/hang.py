@@ -42,13 +42,20 @@ def last_seq_per_member(table: TraceTable) -> dict[tuple[int, int], int]:
     """(comm, rank) -> highest sequence number that rank issued in that communicator."""
     if not len(table):
         return {}
-    world = max(table.world_size, 1)
+    world = max(table.world_size, int(table["rank"].max()) + 1, 1)
     key = table["comm"].astype(np.int64) * world + table["rank"]
-    uniq, inverse = np.unique(key, return_inverse=True)
-    best = np.full(len(uniq), np.iinfo(np.int64).min, dtype=np.int64)
-    np.maximum.at(best, inverse.reshape(-1), table["seq"])
+    cells = len(table.comms) * world
+    if cells <= 64 * len(table) + (1 << 20):  # a dense cell per (comm, rank): no sort of the rows
+        best = np.full(cells, np.iinfo(np.int64).min, dtype=np.int64)
+        np.maximum.at(best, key, table["seq"])
+        uniq = np.flatnonzero(best != np.iinfo(np.int64).min)
+        values = best[uniq]
+    else:
+        uniq, inverse = np.unique(key, return_inverse=True)
+        values = np.full(len(uniq), np.iinfo(np.int64).min, dtype=np.int64)
+        np.maximum.at(values, inverse.reshape(-1), table["seq"])
     return {
-        (int(k // world), int(k % world)): int(v) for k, v in zip(uniq.tolist(), best.tolist(), strict=True)
+        (int(k // world), int(k % world)): int(v) for k, v in zip(uniq.tolist(), values.tolist(), strict=True)
     }
 
 

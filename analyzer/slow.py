@@ -15,6 +15,7 @@ together, with no straggler anywhere, is reported as a slow group (imbalance).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.table import TraceTable
 
 MIN_INSTANCES = 8
-MAX_INSTANCES = 4000
+MAX_INSTANCES = 1000
 MIN_REL = 0.02
 MIN_PERSISTENCE = 0.7
 
@@ -75,23 +76,31 @@ def _matrices(table: TraceTable):
     key = comm[keep]
     key = key.astype(np.int16) if len(table.comms) < 32767 else key
     order = keep[np.argsort(key, kind="stable")]
-    sorted_comm = comm[order]
-    bounds = np.flatnonzero(np.diff(sorted_comm)) + 1
-    t0 = int(cols["enqueue_ns"][keep].min())
-    for seg in np.split(order, bounds):
-        c = int(comm[seg[0]])
+    # the needed columns once in communicator order: every communicator is then one contiguous slice
+    c_rank, c_seq, c_comm = cols["rank"][order], cols["seq"][order], comm[order]
+    c_enq, c_done = cols["enqueue_ns"][order], cols["complete_ns"][order]
+    del order
+    t0 = int(c_enq.min())
+    bounds = [0, *(np.flatnonzero(np.diff(c_comm)) + 1).tolist(), len(c_comm)]
+    for lo, hi in itertools.pairwise(bounds):
+        c = int(c_comm[lo])
         members = np.asarray(table.comms[c].members, dtype=np.int64)
-        idx = np.searchsorted(members, cols["rank"][seg])
-        idx = np.minimum(idx, len(members) - 1)
-        valid = members[idx] == cols["rank"][seg]
-        seg, idx = seg[valid], idx[valid]
-        seqs, col = np.unique(cols["seq"][seg], return_inverse=True)
-        if len(seqs) < MIN_INSTANCES:
+        seq = c_seq[lo:hi]
+        if len(seq) < MIN_INSTANCES * len(members):
             continue
-        enq = np.full((len(members), len(seqs)), np.nan)
-        enq[idx, col] = cols["enqueue_ns"][seg] - t0
-        raw = cols["complete_ns"][seg]
-        done = np.full((len(members), len(seqs)), np.nan)
+        # sequence numbers are consecutive per communicator: they index the columns directly (only the
+        # newest 2 * MAX_INSTANCES are looked at; instances some member lacks are dropped below)
+        top = int(seq.max())
+        low = max(int(seq.min()), top - 2 * MAX_INSTANCES + 1)
+        window = np.flatnonzero(seq >= low) + lo
+        idx = np.minimum(np.searchsorted(members, c_rank[window]), len(members) - 1)
+        valid = members[idx] == c_rank[window]
+        window, idx = window[valid], idx[valid]
+        col = c_seq[window] - low
+        enq = np.full((len(members), top - low + 1), np.nan)
+        enq[idx, col] = c_enq[window] - t0
+        raw = c_done[window]
+        done = np.full((len(members), top - low + 1), np.nan)
         done[idx, col] = np.where(raw > 0, raw - t0, np.nan)
         full = ~np.isnan(enq).any(axis=0)
         enq, done = enq[:, full][:, -MAX_INSTANCES:], done[:, full][:, -MAX_INSTANCES:]

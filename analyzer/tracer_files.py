@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
 from megatrace.tracer.ringfile import (
@@ -78,8 +79,8 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     cols["peer"][:] = rec["peer"]
     comms: list[tuple[object, tuple[int, ...], bool]] = []
     is_p2p = np.isin(ops, list(P2P_OPS)) & (rec["peer"] >= 0)
-    cids, cid_index = np.unique(rec["comm_id"], return_inverse=True)
-    cid_index = cid_index.reshape(-1).astype(np.int64)
+    cid_index, cids = pd.factorize(rec["comm_id"])  # hashing: no sort of the records
+    cid_index = cid_index.astype(np.int64)
     if is_p2p.any():
         # one int64 key per (communicator, direction): collectives keep their communicator's index,
         # sends and receives get a directed channel src->dst
@@ -88,7 +89,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
         dst = np.where(is_send, rec["peer"], rank).astype(np.int64)
         width = int(max(rank, int(rec["peer"].max()))) + 1
         channel = len(cids) + (cid_index * width + src) * width + dst
-        keys, inverse = np.unique(np.where(is_p2p, channel, cid_index), return_inverse=True)
+        inverse, keys = pd.factorize(np.where(is_p2p, channel, cid_index))
     else:
         keys, inverse = np.arange(len(cids)), cid_index
     for key in keys.tolist():
@@ -99,7 +100,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
             ci, rest = divmod(key - len(cids), width * width)
             s, d = divmod(rest, width)
             comms.append((("p2p", int(cids[ci]), s, d), tuple(sorted({s, d})), True))
-    cols["comm"][:] = inverse.reshape(-1)
+    cols["comm"][:] = inverse
     info = RankInfo(
         rank=rank,
         host=header.host,

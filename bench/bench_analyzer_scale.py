@@ -75,17 +75,18 @@ def main() -> None:
             f"generated {len(files)} ring files ({size / 2**30:.2f} GiB) in {time.perf_counter() - t:.0f} s"
         )
         layout = resolve(LayoutConfig(world_size=args.ranks, tp=TP))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         table, _ = load([job], layout)
-        t_load = time.perf_counter() - t
-        t = time.perf_counter()
+        t_load, cpu_load = time.perf_counter() - t, time.process_time() - cpu
+        t, cpu = time.perf_counter(), time.process_time()
         hang = detect_hang(table)
         slow = detect_slow(table, layout)
-        t_an = time.perf_counter() - t
+        t_an, cpu_an = time.perf_counter() - t, time.process_time() - cpu
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         print(
             f"our format: {len(table):,} records of {len(table.ranks)} ranks: load {t_load:.1f} s, analysis "
-            f"{t_an:.1f} s, total {t_load + t_an:.1f} s, peak RSS {peak:.2f} GiB; slow suspects "
+            f"{t_an:.1f} s, total {t_load + t_an:.1f} s wall (CPU {cpu_load:.1f} + {cpu_an:.1f} s), "
+            f"peak RSS {peak:.2f} GiB; slow suspects "
             f"{[s.rank for s in slow.suspects]} (injected {slow_rank}), "
             f"hang suspects {[s.rank for s in hang.suspects]}"
         )
