@@ -3,9 +3,10 @@
 Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
 ``job`` (the training job), ``rank`` and ``local_rank``; Prometheus must scrape with
 ``honor_labels: true`` so `job` is kept. A rank is alive while its header says it has not finished and
-its process exists; ``megatrace_tracer_rank_finished`` tells a clean exit from a death. Ranks that are
-no longer alive keep being exported for a grace period (so ``megatrace_tracer_rank_alive=0`` is seen),
-then dropped.
+its writer still holds its lock on the file, which works across PID namespaces (for files from writers
+that do not lock: while its pid exists in ours). ``megatrace_tracer_rank_finished`` tells a clean exit
+from a death. Ranks that are no longer alive keep being exported for a grace period (so
+``megatrace_tracer_rank_alive=0`` is seen), then dropped.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
-from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header
+from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header, writer_holds_lock
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,15 @@ def process_exists(pid: int) -> bool:
     return True
 
 
+def writer_alive(path: Path, header: RingHeader) -> bool:
+    """Whether the process writing `path` runs: its lock on the file (any PID namespace), else its pid."""
+    if header.writer_locks:
+        held = writer_holds_lock(path)
+        if held is not None:
+            return held
+    return process_exists(header.pid)
+
+
 class TracerCollector:
     """Exports every rank file under `trace_dir`; dead or finished ranks vanish after `grace_seconds`."""
 
@@ -48,7 +58,7 @@ class TracerCollector:
         trace_dir: str | Path,
         grace_seconds: float = 300.0,
         clock: Callable[[], float] = time.time,
-        is_alive: Callable[[int], bool] = process_exists,
+        is_alive: Callable[[Path, RingHeader], bool] = writer_alive,
     ) -> None:
         self.trace_dir = Path(trace_dir)
         self.grace_seconds = grace_seconds
@@ -72,7 +82,7 @@ class TracerCollector:
                 log.debug("skipping %s: %s", path, exc)
                 continue
             seen.add(path)
-            alive = not header.finished and self.is_alive(header.pid)
+            alive = not header.finished and self.is_alive(path, header)
             if not self._still_exported(path, alive, now):
                 continue
             self._export(families, header, path.parent.name, alive, now)

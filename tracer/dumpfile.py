@@ -36,7 +36,7 @@ _COUNTER_KEYS = (
     "capacity", "records_written", "dumps_written",
 )  # fmt: skip
 # Header words added to version 1 later: written always, read as 0 from dumps that lack them.
-_LATER_KEYS = ("stall_threshold_ns",)
+_LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool}
 _RECORD_INT_KEYS = ("serial", "rank", "comm", "seq", "nbytes", "peer", "enqueue_ns", "complete_ns", "step")
 
 
@@ -208,7 +208,7 @@ def read_dump(path: str | Path) -> RingSnapshot:
             for key in (*_IDENTITY_KEYS, *_COUNTER_KEYS)
             if key not in ("job", "host", "oldest_inflight_op", "finished")
         },
-        **{key: _int(meta, key, where) for key in _LATER_KEYS if key in meta},
+        **{key: kind(_int(meta, key, where)) for key, kind in _LATER_KEYS.items() if key in meta},
     )
     return RingSnapshot(
         header=header,

@@ -9,11 +9,14 @@ with it while ranks write them.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import functools
 import hashlib
 import mmap
 import os
 import struct
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +57,9 @@ W_COMM_TABLE_USED = 24
 W_DUMPS_WRITTEN = 25
 # Added to version 1 later; older writers left these words 0 (the file is created zero-filled).
 W_STALL_THRESHOLD_NS = 26
+W_WRITER_FLAGS = 27
+# Writer flag: the writing process holds a shared flock on the file for as long as it lives.
+WRITER_HOLDS_LOCK = 1
 W_CALLS_BY_OP = 32
 W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
 JOB_OFFSET = 768
@@ -150,6 +156,8 @@ class RingHeader:
     dumps_written: int = 0
     # The writer's stall sensitivity (MEGATRACE_TRACE_STALL_MS); 0 = unknown (older writers, dumps).
     stall_threshold_ns: int = 0
+    # Whether the writer keeps a liveness lock on the file (see `writer_holds_lock`); False for older ones.
+    writer_locks: bool = False
 
 
 @dataclasses.dataclass
@@ -203,6 +211,9 @@ class RingWriter:
 
     All state lives in the mapped file; a record costs a fixed number of 8-byte stores and no
     allocation. Only the rank's own threads write; readers in other processes use `read_ring`.
+    From creation to `close` (or process death) the writer holds a shared `flock` on the file through
+    a descriptor of its own, which forked children drop: a held lock means a live writer, whatever
+    PID namespace the reader is in.
     """
 
     def __init__(
@@ -238,8 +249,18 @@ class RingWriter:
         self._pack = RECORD_STRUCT.pack_into
         self._write_identity(identity)
         self.header[W_STALL_THRESHOLD_NS] = stall_threshold_ns
+        self._lock_fd = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+        self.header[W_WRITER_FLAGS] = WRITER_HOLDS_LOCK
+        os.register_at_fork(after_in_child=functools.partial(_release_in_child, weakref.ref(self)))
         os.replace(tmp, self.path)
         self.serial = 0
+
+    def release_lock(self) -> None:
+        """Stop holding the liveness lock (readers then see the writer as gone)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _write_identity(self, identity: RankIdentity) -> None:
         h = self.header
@@ -320,11 +341,40 @@ class RingWriter:
             self.rec_i[slot * (RECORD_SIZE // 4) + R_PEER_I32] = peer
 
     def close(self) -> None:
-        """Flush and unmap the file (the writer is unusable afterwards)."""
+        """Flush and unmap the file and release the liveness lock (the writer is unusable afterwards)."""
+        self.release_lock()
         self._map.flush()
         for view in (self.header, self.table, self.rec_q, self.rec_i, self.rec_b):
             view.release()
         self._map.close()
+
+
+def _release_in_child(ref: weakref.ref[RingWriter]) -> None:
+    """After a fork: the child (e.g. a data loader worker) must not keep its parent's rank alive."""
+    writer = ref()
+    if writer is not None:
+        writer.release_lock()
+
+
+def writer_holds_lock(path: str | Path) -> bool | None:
+    """Whether a live writer holds its lock on the ring file; None when the lock cannot be tested.
+
+    Tries a non-blocking exclusive `flock` on a descriptor of its own and lets go at once, so it never
+    waits and never disturbs the writer. Meaningful for files whose header has `writer_locks`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
 
 
 def _decode_text(raw: bytes) -> str:
@@ -359,6 +409,7 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
         records_written=int(sum(words[W_CALLS_BY_OP : W_CALLS_BY_OP + MAX_OPS])),
         dumps_written=int(words[W_DUMPS_WRITTEN]),
         stall_threshold_ns=int(words[W_STALL_THRESHOLD_NS]),
+        writer_locks=bool(words[W_WRITER_FLAGS] & WRITER_HOLDS_LOCK),
     )
 
 

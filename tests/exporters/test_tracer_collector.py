@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,15 @@ import pytest
 
 from megatrace.exporters.tracer_files import TracerCollector, process_exists
 from megatrace.tracer.recorder import Recorder
-from megatrace.tracer.ringfile import OP_CODES, W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
+from megatrace.tracer.ringfile import (
+    OP_CODES,
+    W_FINISHED,
+    W_WRITER_FLAGS,
+    RankIdentity,
+    RingWriter,
+    comm_id,
+    ring_path,
+)
 from tests.exporters.exposition import names, promtool_check, render, samples, value
 from tests.support.gloo_job import start_traced_job
 
@@ -95,15 +104,61 @@ def test_finished_rank_is_not_alive_and_dropped_after_the_grace_period(tmp_path:
     live.writer.close()
 
 
-def test_rank_whose_process_died_is_not_alive(tmp_path: Path) -> None:
+def test_file_from_a_writer_that_does_not_lock_falls_back_to_the_pid(tmp_path: Path) -> None:
     pid = dead_pid()
     assert not process_exists(pid)
     recorder = start_rank(tmp_path, "pretrain-43", 3, pid)
+    recorder.header[W_WRITER_FLAGS] = 0  # as written by tracers before the liveness lock
     text = render(TracerCollector(tmp_path))
     assert value(text, "megatrace_tracer_rank_alive", job="pretrain-43", rank="3") == 0
     assert value(text, "megatrace_tracer_rank_finished", job="pretrain-43", rank="3") == 0
     assert "megatrace_tracer_stall_threshold_seconds" not in names(text)  # file does not say: absent
     recorder.writer.close()
+
+
+# A rank in another PID namespace: the pid in its file means nothing here (`recorded_pid`), and an
+# optional forked child (a data loader worker) outlives it. Prints "ready" once the file is in place.
+WRITER_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from megatrace.tracer.ringfile import RankIdentity, RingWriter, ring_path
+identity = RankIdentity("ns-job", 5, 5, 8, "node-b", int(sys.argv[2]), time.time_ns())
+writer = RingWriter(ring_path(Path(sys.argv[1]), 5), identity, capacity=16, comm_table_bytes=4096)
+child = os.fork() if sys.argv[3] == "fork" else -1
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print("ready", child, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("recorded", "fork"), [("gone", "nofork"), ("exists", "nofork"), ("exists", "fork")])
+def test_liveness_follows_the_writer_lock_not_the_recorded_pid(
+    tmp_path: Path, recorded: str, fork: str
+) -> None:
+    pid = dead_pid() if recorded == "gone" else os.getpid()
+    argv = [sys.executable, "-c", WRITER_SCRIPT, str(tmp_path / "ns-job"), str(pid), fork]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    child = -1
+    try:
+        word, child_text = proc.stdout.readline().split()
+        assert word == "ready"
+        child = int(child_text)
+        collector = TracerCollector(tmp_path)
+        assert value(render(collector), "megatrace_tracer_rank_alive", job="ns-job", rank="5") == 1
+        proc.kill()  # SIGKILL: no exit handler runs, the kernel drops the lock
+        proc.wait(timeout=30)
+        text = render(collector)
+        assert value(text, "megatrace_tracer_rank_alive", job="ns-job", rank="5") == 0
+        assert value(text, "megatrace_tracer_rank_finished", job="ns-job", rank="5") == 0
+        if child > 0:
+            assert process_exists(child), "the forked child must outlive the rank for this test"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if child > 0:
+            os.kill(child, signal.SIGKILL)
 
 
 def test_files_that_are_not_ring_files_are_skipped(tmp_path: Path) -> None:

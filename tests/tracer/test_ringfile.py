@@ -22,6 +22,7 @@ from megatrace.tracer.ringfile import (
     read_header,
     read_ring,
     ring_path,
+    writer_holds_lock,
 )
 
 IDENTITY = RankIdentity(
@@ -173,6 +174,15 @@ def test_dump_round_trip(tmp_path: Path) -> None:
     assert back.records.dtype == snap.records.dtype
     assert back.records.tolist() == snap.records.tolist()
     assert (back.reason, back.taken_ns) == ("stall", 99)
+
+
+def test_writer_holds_its_lock_until_closed(tmp_path: Path) -> None:
+    writer = make_writer(tmp_path)
+    assert read_header(writer.path).writer_locks
+    assert writer_holds_lock(writer.path) is True
+    writer.close()
+    assert writer_holds_lock(writer.path) is False
+    assert writer_holds_lock(tmp_path / "absent.trace") is None
 
 
 def test_threshold_is_unknown_in_files_and_dumps_from_writers_that_lack_it(tmp_path: Path) -> None:
