@@ -70,6 +70,13 @@ def rebase_url(url: str, base: str) -> str:
     return urlunsplit((target.scheme, target.netloc, path, parts.query, parts.fragment))
 
 
+def member_text(member: Any) -> str:
+    """Where a storm member is, from its location labels (its fingerprint when it has none)."""
+    labels = json.loads(member["labels"])
+    keys = [k for k in ("job", "rank", "instance", "node", "gpu", "device", "port") if k in labels]
+    return " ".join(f"{k}={labels[k]}" for k in keys) or member["fingerprint"]
+
+
 class CardRenderer:
     """Builds the context of each card kind and renders it through the (overridable) templates."""
 
@@ -171,10 +178,7 @@ class CardRenderer:
         annotations = json.loads(first["annotations"])
 
         def describe(member: Any) -> str:
-            lab = json.loads(member["labels"])
-            keys = [k for k in ("job", "rank", "instance", "node", "gpu", "device", "port") if k in lab]
-            text = " ".join(f"{k}={lab[k]}" for k in keys) or member["fingerprint"]
-            return text + (" (resolved)" if member["status"] == "resolved" else "")
+            return member_text(member) + (" (resolved)" if member["status"] == "resolved" else "")
 
         def context(budget: int) -> dict[str, Any]:
             shown = members[: max(5, budget // 20)]
@@ -193,6 +197,35 @@ class CardRenderer:
             }
 
         return self.fit("card_storm.json.j2", context)
+
+    def storm_resolved_card(self, storm: Any, members: list[Any], ref: str, now: float) -> dict:
+        """What of a storm recovered, and what is still firing."""
+        recovered = [m for m in members if m["status"] == "resolved"]
+        firing = [m for m in members if m["status"] != "resolved"]
+        ended = max((m["ends_at"] or now for m in recovered), default=now)
+        started = min((m["starts_at"] for m in members), default=storm["opened_at"])
+        count = f"{len(recovered)} of {len(members)}" if firing else f"{len(members)}"
+        state = "RECOVERING" if firing else "RESOLVED"
+
+        def context(budget: int) -> dict[str, Any]:
+            shown = max(5, budget // 20)
+            return {
+                "title": f"[{storm['level']}] STORM {state}: {count} × {storm['alertname']} resolved",
+                "colour": "wathet" if firing else "green",
+                "alertname": storm["alertname"],
+                "count": len(members),
+                "duration": human_duration(ended - started),
+                "since": self.when(started),
+                "recovered": [member_text(m)[: budget // 4] for m in recovered[:shown]],
+                "recovered_more": max(0, len(recovered) - shown),
+                "recovered_count": len(recovered),
+                "firing": [member_text(m)[: budget // 4] for m in firing[:shown]],
+                "firing_more": max(0, len(firing) - shown),
+                "firing_count": len(firing),
+                "ref": ref,
+            }
+
+        return self.fit("card_storm_resolved.json.j2", context)
 
     def drilldown_card(self, job: str, alertname: str, level: str, result: dict[str, Any], ref: str) -> dict:
         suspects = [s for s in result.get("suspects", []) if isinstance(s, dict)]

@@ -54,6 +54,7 @@ class DedupeConfig:
     storm_window_s: float = 120.0
     storm_threshold: int = 5
     storm_hold_s: float = 10.0
+    storm_resolve_hold_s: float = 60.0
 
 
 @dataclasses.dataclass

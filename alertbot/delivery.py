@@ -109,6 +109,15 @@ class Delivery:
             storm = self.store.storm(row["storm_id"])
             card = self.renderer.storm_card(storm, members, self.cfg.dedupe.storm_window_s, row["idem_key"])
             return {"msg_type": "interactive", "card": card}
+        if kind == "storm-resolved":
+            storm = self.store.storm(row["storm_id"])
+            if storm is None:
+                return None
+            members = self.store.storm_members(row["storm_id"])
+            return {
+                "msg_type": "interactive",
+                "card": self.renderer.storm_resolved_card(storm, members, row["idem_key"], now),
+            }
         episode = self.store.episode(row["episode_id"])
         if episode is None:
             return None
@@ -188,6 +197,11 @@ class Delivery:
         return attempted
 
     def attempt(self, row: Any, now: float) -> None:
+        if row["kind"] == "storm-resolved" and row["payload"] is None:
+            storm = self.store.storm(row["storm_id"])
+            if storm is not None and storm["sealed_at"] is None:  # its firing summary goes first
+                self.store.set_outbox(row["id"], not_before=now + 1.0)
+                return
         if row["kind"] == "firing" and row["payload"] is None:
             episode = self.store.episode(row["episode_id"])
             if episode is not None and episode["status"] == "resolved" and episode["flapping"]:

@@ -2,7 +2,8 @@
 
 Episodes are keyed by (fingerprint, startsAt). Duplicates (Alertmanager HA) are counted, not sent;
 repeats follow the repeat interval; recurrences are counted; flapping alerts are held back; many new
-episodes of one kind within the storm window collapse into one summary notification.
+episodes of one kind within the storm window collapse into one summary notification, and their
+resolves into one resolved summary.
 """
 
 from __future__ import annotations
@@ -208,8 +209,28 @@ class Pipeline:
         for row in held:
             self.store.set_outbox(row["id"], state="suppressed", last_error="resolved before it was sent")
             self.metrics.suppressed.inc()
-        if existing["storm_id"] is None and existing["last_notified"] is not None and not held:
+        if existing["storm_id"] is not None:
+            self._storm_member_resolved(existing["storm_id"], existing["level"], now)
+        elif existing["last_notified"] is not None and not held:
             self.enqueue("resolved", str(existing["id"]), existing["level"], now, episode_id=existing["id"])
+
+    def _storm_member_resolved(self, storm_id: int, level: str, now: float) -> None:
+        """A storm gets one resolved summary, queued when its first member resolves and sent
+        `storm_resolve_hold_s` later, so members that recover together share it (it lists what
+        recovered and what still fires). If it went out while some still fired, the last member to
+        resolve queues a final "all recovered" summary. The refs make both idempotent."""
+        summaries = self.store.outbox_for(storm_id=storm_id, kind="storm-resolved")
+        if not summaries:
+            ref = f"s{storm_id}-resolved"
+        elif any(row["payload"] is not None for row in summaries) and not any(
+            member["status"] == "firing" for member in self.store.storm_members(storm_id)
+        ):
+            ref = f"s{storm_id}-all-resolved"
+        else:
+            return
+        not_before = now + self.cfg.dedupe.storm_resolve_hold_s
+        opened = [row["not_before"] for row in self.store.outbox_for(storm_id=storm_id, kind="storm")]
+        self.enqueue("storm-resolved", ref, level, now, max([not_before, *opened]), storm_id=storm_id)
 
     def _request_drilldown(self, episode: dict[str, Any], now: float) -> None:
         dd = self.cfg.drilldown

@@ -148,7 +148,7 @@ def main() -> int:
             individual = db.execute("SELECT COUNT(*) FROM episodes WHERE storm_id IS NULL").fetchone()[0]
             in_sent_storms = db.execute(
                 "SELECT COUNT(*) FROM episodes e JOIN outbox o ON o.storm_id = e.storm_id"
-                " AND o.state = 'sent' AND o.channel = 'bot'"
+                " AND o.kind = 'storm' AND o.state = 'sent' AND o.channel = 'bot'"
             ).fetchone()[0]
             storms = db.execute("SELECT COUNT(*) FROM storms").fetchone()[0]
             states = dict(db.execute("SELECT state, COUNT(*) FROM outbox GROUP BY state").fetchall())

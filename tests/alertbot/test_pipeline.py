@@ -8,6 +8,7 @@ import pytest
 
 from megatrace.alertbot.config import GradingConfig
 from megatrace.alertbot.grading import base_level, grade, load_policy
+from megatrace.alertbot.payload import format_time
 from megatrace.config import ConfigError
 from tests.alertbot.conftest import Bot, alert, config, webhook
 
@@ -121,8 +122,75 @@ def test_storm_collapses_into_one_summary(tmp_path: Path) -> None:
     bot.receive(webhook(alert("MegatraceIBLinkDown", severity="P0", instance="gpu-99:9450")), T0 + 10)
     bot.receive(webhook({**links[5], "status": "resolved", "endsAt": "2026-09-21T00:00:00Z"}), T0 + 11)
     bot.delivery.deliver_due(T0 + 20)
-    assert [k for k, _ in kinds(bot)][4:] == ["storm"]
+    assert [k for k, _ in kinds(bot)][4:] == ["storm", "storm-resolved"]
+    assert [m["kind"] for m in bot.console()[4:]] == ["storm"]  # the resolved summary waits its hold
     assert "1 × MegatraceIBLinkDown" in bot.console()[-1]["card"]["header"]["title"]["content"]
+
+
+def link_down(i: int) -> dict:
+    return alert("MegatraceIBLinkDown", severity="P0", instance=f"gpu-{i}:9450", device="mlx5_0")
+
+
+def resolved(item: dict, ends_at: float) -> dict:
+    return {**item, "status": "resolved", "endsAt": format_time(ends_at)}
+
+
+def storm_bot(tmp_path: Path) -> Bot:
+    dedupe = {"storm_threshold": 3, "storm_hold_s": 5, "storm_resolve_hold_s": 30}
+    return Bot(config(tmp_path, dedupe=dedupe))
+
+
+def card_text(message: dict) -> tuple[str, str]:
+    card = message["card"]
+    return card["header"]["title"]["content"], card["elements"][0]["text"]["content"]
+
+
+def test_storm_resolves_into_one_summary_then_a_final_one_across_a_restart(tmp_path: Path) -> None:
+    bot = storm_bot(tmp_path)
+    links = [link_down(i) for i in range(10)]
+    bot.receive(webhook(*links), T0)  # 3 sent on their own, 7 collapse into the storm
+    bot.delivery.deliver_due(T0 + 6)
+    assert [m["kind"] for m in bot.console()] == ["firing"] * 3 + ["storm"]
+    bot.receive(webhook(*(resolved(x, T0 + 95) for x in [links[0], *links[3:8]])), T0 + 100)
+    bot.receive(webhook(resolved(links[3], T0 + 95)), T0 + 101)  # the HA twin: nothing new
+    assert bot.delivery.deliver_due(T0 + 120) == 1  # member 0 was sent alone: its own resolved card
+    assert bot.delivery.deliver_due(T0 + 131) == 1
+    assert [m["kind"] for m in bot.console()[4:]] == ["resolved", "storm-resolved"]
+    title, text = card_text(bot.console()[-1])
+    assert title == "[P0] STORM RECOVERING: 5 of 7 × MegatraceIBLinkDown resolved"
+    recovered, firing = text.split("**Still firing** (2):")
+    assert [f"instance=gpu-{i}:9450" in recovered for i in range(3, 10)] == [True] * 5 + [False] * 2
+    assert "instance=gpu-8:9450 device=mlx5_0" in firing and "instance=gpu-9:9450" in firing
+    assert bot.console()[-1]["card"]["header"]["template"] == "wathet"
+
+    bot.store.close()
+    bot = storm_bot(tmp_path)  # a restart: what was sent and queued is in the store
+    bot.receive(webhook(resolved(links[8], T0 + 300)), T0 + 300)
+    assert bot.delivery.deliver_due(T0 + 1000) == 0  # one member still fires: no new summary
+    bot.receive(webhook(resolved(links[9], T0 + 310)), T0 + 310)
+    bot.receive(webhook(resolved(links[9], T0 + 310)), T0 + 311)
+    assert bot.delivery.deliver_due(T0 + 1000) == 1
+    assert bot.delivery.deliver_due(T0 + 2000) == 0
+    title, text = card_text(bot.console()[-1])
+    assert title == "[P0] STORM RESOLVED: 7 × MegatraceIBLinkDown resolved"
+    assert bot.console()[-1]["card"]["header"]["template"] == "green"
+    assert "All recovered." in text and "Still firing" not in text
+    assert all(f"instance=gpu-{i}:9450" in text for i in range(3, 10))
+    assert [k for k, _ in kinds(bot)] == ["firing"] * 3 + ["storm", "resolved"] + ["storm-resolved"] * 2
+
+
+def test_storm_that_recovers_at_once_gets_one_resolved_summary_after_its_storm_card(tmp_path: Path) -> None:
+    bot = storm_bot(tmp_path)
+    links = [link_down(i) for i in range(8)]
+    bot.receive(webhook(*links), T0)
+    for i, item in enumerate(links[3:]):  # members resolve one by one, before the storm card is out
+        bot.receive(webhook(resolved(item, T0 + 1 + i)), T0 + 1 + i)
+    bot.delivery.deliver_due(T0 + 1000)
+    assert [m["kind"] for m in bot.console()] == ["firing"] * 3 + ["storm", "storm-resolved"]
+    title, text = card_text(bot.console()[-1])
+    assert title == "[P0] STORM RESOLVED: 5 × MegatraceIBLinkDown resolved"
+    assert "All recovered." in text
+    assert [k for k, _ in kinds(bot)].count("storm-resolved") == 1
 
 
 def test_escalation_raises_recurring_alert_one_level(tmp_path: Path) -> None:
