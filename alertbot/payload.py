@@ -57,7 +57,9 @@ def parse_time(value: Any, where: str) -> float | None:
     if value.startswith("0001-01-01"):
         return None
     year, month, day, hour, minute, second, frac, zone = match.groups()
-    frac = (frac or "0")[:6].ljust(6, "0")
+    # milliseconds, cut as Go cuts them: the webhook has nanoseconds, the API v2 (reconciliation) only
+    # milliseconds, and both must give the same episode key
+    frac = (frac or "0")[:3].ljust(6, "0")
     tz = "+00:00" if zone in ("Z", "z") else zone
     try:
         moment = datetime.fromisoformat(f"{year}-{month}-{day}T{hour}:{minute}:{second}.{frac}{tz}")

@@ -8,7 +8,7 @@ import pytest
 
 from megatrace.alertbot.config import GradingConfig
 from megatrace.alertbot.grading import base_level, grade, load_policy
-from megatrace.alertbot.payload import format_time
+from megatrace.alertbot.payload import format_time, parse_time
 from megatrace.config import ConfigError
 from tests.alertbot.conftest import Bot, alert, config, webhook
 
@@ -270,3 +270,16 @@ def test_most_urgent_level_is_delivered_first(tmp_path: Path) -> None:
     bot.receive(webhook(alert("MegatraceRankHang", job="llm")), T0 + 2)
     bot.delivery.deliver_due(T0 + 3)
     assert [line["level"] for line in bot.console()] == ["P0", "P1", "P2"]
+
+
+def test_webhook_nanoseconds_and_api_milliseconds_are_one_episode(tmp_path: Path) -> None:
+    """Alertmanager's webhook carries startsAt in nanoseconds, its API v2 (reconciliation) cuts it to
+    milliseconds; rounding .1239 up would make two episodes of one alert and a false resolve."""
+    assert parse_time("2026-09-21T10:00:00.123987654Z", "t") == parse_time("2026-09-21T10:00:00.123Z", "t")
+    bot = Bot(config(tmp_path))
+    from_webhook = alert(job="llm", rank="1")
+    from_webhook["startsAt"] = "2026-09-21T10:00:00.123987654Z"
+    bot.receive(webhook(from_webhook), T0)
+    bot.receive(webhook({**from_webhook, "startsAt": "2026-09-21T10:00:00.123Z"}), T0 + 1)
+    (episode,) = bot.store.query("SELECT * FROM episodes")
+    assert episode["duplicates"] == 1
