@@ -276,7 +276,7 @@ def run(config: StackConfig, scenario: Scenario, say: Callable[[str], None] = pr
         outcome.slow_message, outcome.slow_drilldown, outcome.slow_resolved = _follow_fault(
             config, scenario, "demo-slow", "MegatraceSlowRank", "P1", slow_env, say
         )
-        if f"rank {outcome.slow_rank} " not in card_text(outcome.slow_message):
+        if not re.search(rf"\brank {outcome.slow_rank}\b", card_text(outcome.slow_message), re.IGNORECASE):
             raise DemoFailed(f"the P1 message does not name the slow rank {outcome.slow_rank}")
         if drilldown_rank(outcome.slow_drilldown) != outcome.slow_rank:
             raise DemoFailed(f"the drill-down did not name the slow rank {outcome.slow_rank}")
