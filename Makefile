@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter
 DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n auto
 
 .PHONY: test demo lint deps debs venv clean
 
