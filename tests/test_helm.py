@@ -52,7 +52,7 @@ CUSTOM_VALUES: dict[str, Any] = {
         "extraArgs": ["--log-level=debug"],
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
         "gpuAccess": {"runtimeClassName": "nvidia", "visibleDevices": "all"},
-        "hostPID": False,
+        "hostPID": True,
         "tracerGraceSeconds": 60,
         "nodeSelector": {"nvidia.com/gpu.present": None, "node-role/gpu": "yes"},
         "tolerations": [],
@@ -226,7 +226,7 @@ def test_exporter_defaults_follow_the_contract(defaults: list[dict[str, Any]]) -
         "requests": {"cpu": "50m", "memory": "64Mi"},
         "limits": {"cpu": "200m", "memory": "128Mi"},
     }
-    assert pod["hostPID"] is True
+    assert pod["hostPID"] is False  # liveness comes from the ring file lock, not process ids
     assert "runtimeClassName" not in pod
 
 
@@ -264,7 +264,7 @@ def test_exporter_follows_non_default_values(custom: list[dict[str, Any]]) -> No
     assert volumes["sysfs"] == "/host-sys"
     assert volumes["traces"] == "/data/megatrace/traces"
     assert pod["runtimeClassName"] == "nvidia"
-    assert pod["hostPID"] is False
+    assert pod["hostPID"] is True
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["nodeSelector"] == {"node-role/gpu": "yes"}
     assert "tolerations" not in pod

@@ -24,6 +24,7 @@ from megatrace.tracer.ringfile import (
 )
 from tests.exporters.exposition import names, promtool_check, render, samples, value
 from tests.support.gloo_job import start_traced_job
+from tests.support.services import require_binary
 
 
 def start_rank(
@@ -159,6 +160,51 @@ def test_liveness_follows_the_writer_lock_not_the_recorded_pid(
         proc.wait(timeout=30)
         if child > 0:
             os.kill(child, signal.SIGKILL)
+
+
+# The exporter as the Helm chart runs it: its own PID namespace, where the rank's recorded pid means
+# nothing, and the trace directory bind-mounted read-only. Prints what it sees of the rank.
+EXPORTER_VIEW_SCRIPT = """
+import os, sys
+from pathlib import Path
+from megatrace.exporters.tracer_files import TracerCollector, process_exists
+from megatrace.tracer.ringfile import read_header, ring_path
+view = Path(sys.argv[1])
+header = read_header(ring_path(view / "ns-job", 5))
+readonly = bool(os.statvfs(view).f_flag & os.ST_RDONLY)
+families = TracerCollector(view).collect()
+(alive,) = [s.value for f in families for s in f.samples if s.name == "megatrace_tracer_rank_alive"]
+print(f"alive={int(alive)} readonly={readonly} pid_visible={process_exists(header.pid)}")
+"""
+# Mounts the trace directory ($1) read-only at $2 in a new mount namespace, then runs the script.
+READ_ONLY_VIEW = 'mount --bind "$1" "$2" && mount -o remount,bind,ro "$2" && exec "$3" -c "$4" "$2"'
+
+
+def exporter_view(trace_dir: Path, view: Path) -> str:
+    unshare = require_binary("unshare")
+    namespaces = ["--user", "--map-root-user", "--pid", "--fork", "--mount", "--mount-proc"]
+    mount_then_run = ["sh", "-c", READ_ONLY_VIEW, "sh", str(trace_dir), str(view)]
+    argv = [unshare, *namespaces, *mount_then_run, sys.executable, EXPORTER_VIEW_SCRIPT]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_liveness_through_a_read_only_mount_in_another_pid_namespace(tmp_path: Path) -> None:
+    """flock needs no write access: the lock test works on the chart's read-only hostPath mount."""
+    traces, view = tmp_path / "traces", tmp_path / "view"
+    view.mkdir()
+    argv = [sys.executable, "-c", WRITER_SCRIPT, str(traces / "ns-job"), str(os.getpid()), "nofork"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().split()[0] == "ready"
+        assert exporter_view(traces, view) == "alive=1 readonly=True pid_visible=False"
+        proc.kill()
+        proc.wait(timeout=30)
+        assert exporter_view(traces, view) == "alive=0 readonly=True pid_visible=False"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def test_files_that_are_not_ring_files_are_skipped(tmp_path: Path) -> None:
