@@ -29,7 +29,9 @@ def build_collectors(config: ExporterConfig, nvml: Any = None) -> GuardedCollect
             from megatrace.exporters.podresources import pod_lookup
 
             pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
-            collectors[name] = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
+            gpu = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
+            gpu.start()
+            collectors[name] = gpu
         elif name == "infiniband":
             from megatrace.exporters.infiniband import InfinibandCollector
 

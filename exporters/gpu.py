@@ -81,6 +81,17 @@ class GpuCollector:
         self._driver = ""
         self._lock = threading.Lock()
 
+    def start(self) -> None:
+        """Open NVML and watch for XIDs now: NVML reports no event that happened before it was asked to.
+
+        Without this, XIDs between the agent's start and its first scrape would be lost. A failure is
+        logged; each scrape tries again.
+        """
+        try:
+            self._init()
+        except self.nvml.NVMLError as exc:
+            log.warning("NVML not available at start (%s); retrying at each scrape", exc)
+
     def _init(self) -> list[Gpu]:
         with self._lock:
             if self._gpus is None:

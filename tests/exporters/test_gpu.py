@@ -8,8 +8,10 @@ import time
 import pynvml
 import pytest
 
+from megatrace.exporters.cli import build_collectors
 from megatrace.exporters.gpu import ALERTED_XIDS, GpuCollector
 from megatrace.exporters.guard import GuardedCollectors
+from megatrace.exporters.settings import ExporterConfig
 from tests.exporters.exposition import names, promtool_check, render, samples, value
 from tests.support.fake_pynvml import NVML_FUNCTIONS, FakeGpu, FakeNvml
 
@@ -234,6 +236,31 @@ def test_xid_thread_stops_cleanly_and_nvml_is_released(collector_for) -> None:
     assert not thread.is_alive()
     assert all(event_set.freed for event_set in nvml.event_sets)
     assert nvml.init_count == 0
+
+
+def test_agent_counts_xids_that_arrive_before_its_first_scrape() -> None:
+    """NVML keeps no history of events: the agent registers for XIDs when it starts, not at a scrape."""
+    nvml = FakeNvml([busy_gpu(), second_gpu()])
+    config = ExporterConfig(collectors=["gpu"], podresources_socket="", xid_wait_ms=20)
+    guarded = build_collectors(config, nvml=nvml)
+    try:
+        assert nvml.inject_xid(1, 79) == 1
+        watcher = guarded.collectors["gpu"].xid
+        wait_for(lambda: watcher.snapshot().get(1) is not None)
+        assert value(render(guarded), "megatrace_gpu_xid_errors_total", gpu="1", xid="79") == 1
+    finally:
+        guarded.close()
+    assert nvml.init_count == 0
+
+
+def test_nvml_that_cannot_start_with_the_agent_is_tried_again_at_each_scrape(collector_for) -> None:
+    nvml = FakeNvml([busy_gpu()], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    collector = collector_for(nvml)
+    collector.start()
+    assert (collector.xid, nvml.inject_xid(0, 79)) == (None, 0)
+    nvml.init_error = None
+    assert value(render(collector), "megatrace_gpu_up", gpu="0") == 1
+    assert nvml.inject_xid(0, 79) == 1
 
 
 def test_nvml_that_cannot_start_marks_the_collector_down_then_recovers(collector_for) -> None:

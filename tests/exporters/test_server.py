@@ -19,6 +19,7 @@ from megatrace.exporters.gpu import GpuCollector
 from megatrace.exporters.guard import GuardedCollectors
 from megatrace.exporters.infiniband import InfinibandCollector
 from megatrace.exporters.server import MetricsServer
+from megatrace.exporters.xid import XidCounts
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
 from tests.exporters.exposition import samples, value
@@ -79,12 +80,9 @@ def test_health_index_openmetrics_and_unknown_paths(serve) -> None:
 
 def test_concurrent_scrapes_while_xid_events_arrive(serve) -> None:
     nvml = FakeNvml([FakeGpu(uuid=f"GPU-{i:08x}", bus_id=f"00000000:{0x18 + i:02X}:00.0") for i in range(8)])
-    guarded = GuardedCollectors(
-        {
-            "gpu": GpuCollector(nvml, xid_wait_ms=20),
-            "infiniband": InfinibandCollector(FIXTURES / "infiniband"),
-        }
-    )
+    gpu = GpuCollector(nvml, xid_wait_ms=20)
+    gpu.start()  # as the agent does: XIDs before the first scrape count too
+    guarded = GuardedCollectors({"gpu": gpu, "infiniband": InfinibandCollector(FIXTURES / "infiniband")})
     url = serve(guarded)
     failures: list[str] = []
     seen_xids: list[list[float]] = [[] for _ in range(6)]
@@ -113,7 +111,7 @@ def test_concurrent_scrapes_while_xid_events_arrive(serve) -> None:
     for worker in workers:
         worker.start()
     for _ in range(5):
-        nvml.inject_xid(3, 79)
+        assert nvml.inject_xid(3, 79) == 1
         time.sleep(0.01)
     for worker in workers:
         worker.join(timeout=120)
@@ -121,7 +119,7 @@ def test_concurrent_scrapes_while_xid_events_arrive(serve) -> None:
     for series in seen_xids:
         assert series == sorted(series), "an XID counter went backwards"
     deadline = time.monotonic() + 10
-    while sum(guarded.collectors["gpu"].xid.snapshot()[3].by_xid.values()) < 5:
+    while sum(gpu.xid.snapshot().get(3, XidCounts()).by_xid.values()) < 5:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert (
