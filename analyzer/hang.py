@@ -257,7 +257,7 @@ def _all_entered_last(table: TraceTable, culprits: dict[int, list[int]]) -> dict
     out = {}
     for rank, (comm, seq) in last.items():
         members = table.comms[comm].members
-        if len(members) >= 2 and all(last.get(m) == (comm, seq) for m in members):
+        if _usable(table, comm) and all(last.get(m) == (comm, seq) for m in members):
             out[rank] = (comm, seq)
     return out
 

@@ -27,6 +27,7 @@ MIN_INSTANCES = 8
 MAX_INSTANCES = 1000
 MIN_REL = 0.02
 MIN_PERSISTENCE = 0.7
+MAX_PASSES = 3
 
 
 @dataclass
@@ -126,12 +127,16 @@ def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
     return {host: float(np.median(values)) for host, values in per_host.items()}
 
 
-def comm_lateness(mats, hosts: list[str], offsets: dict[str, float]) -> list[CommLateness]:
+def comm_lateness(
+    mats, hosts: list[str], offsets: dict[str, float], masked: frozenset[int] = frozenset()
+) -> list[CommLateness]:
+    """Lateness of every member per communicator; `masked` ranks are left out of the instance medians."""
     out = []
     for c, members, enq, _done in mats:
         shift = np.array([offsets.get(hosts[m], 0.0) for m in members.tolist()])[:, None]
         t = enq - shift
-        med = np.median(t, axis=0)
+        unmasked = np.array([m not in masked for m in members.tolist()])
+        med = np.median(t[unmasked] if unmasked.any() else t, axis=0)
         late = t - med[None, :]
         interval = float(np.median(np.diff(med))) if len(med) > 1 else 0.0
         out.append(
@@ -147,11 +152,17 @@ def comm_lateness(mats, hosts: list[str], offsets: dict[str, float]) -> list[Com
     return out
 
 
-def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
-    hosts = rank_hosts(table, layout)
-    mats = list(_matrices(table))
-    offsets = _host_offsets(mats, hosts)
-    per_comm = comm_lateness(mats, hosts, offsets)
+@dataclass
+class _Round:
+    """Lateness tables of one pass: per rank and communicator (relative lateness, persistence, data)."""
+
+    late: dict[int, dict[int, tuple[float, float, CommLateness]]]
+    is_late: dict[int, set[int]]
+    judged: dict[int, set[int]]
+    local: set[int]
+
+
+def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
     late: dict[int, dict[int, tuple[float, float, CommLateness]]] = {}
     for cl in per_comm:
         rel = cl.late_ns / cl.interval_ns
@@ -165,33 +176,66 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
     judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
-    stragglers = [m for m, comms in late.items() if comms and is_late[m] >= judged[m]]
+    return _Round(late, is_late, judged, local)
+
+
+def _straggler(m: int, rnd: _Round) -> SlowSuspect:
+    late, judged = rnd.late, rnd.judged
+    rel = min(late[m][c][0] for c in judged[m])
+    pers = min(late[m][c][1] for c in judged[m])
+    worst = max((late[m][c] for c in judged[m]), key=lambda item: item[0])
+    cl = worst[2]
+    return SlowSuspect(
+        m,
+        round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
+        f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
+        f"{'same-host ' if judged[m] <= rnd.local else ''}communicator it is in, by a median "
+        f"{worst[0]:.1%} of the call interval "
+        f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
+        f"{len(cl.members)} ranks).",
+        rel,
+    )
+
+
+def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
+    hosts = rank_hosts(table, layout)
+    mats = list(_matrices(table))
+    offsets = _host_offsets(mats, hosts)
+    # A straggler drags the median of every instance it is in; once found it is left out of the
+    # medians and the next pass looks again, so a milder straggler sharing a communicator with a
+    # severe one (both late in the same DP group, say) is not hidden behind it.
+    stragglers: list[int] = []
     suspects = []
-    for m in stragglers:
-        rel = min(late[m][c][0] for c in judged[m])
-        pers = min(late[m][c][1] for c in judged[m])
-        worst = max((late[m][c] for c in judged[m]), key=lambda item: item[0])
-        cl = worst[2]
-        suspects.append(
-            SlowSuspect(
-                m,
-                round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
-                f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
-                f"{'same-host ' if judged[m] <= local else ''}communicator it is in, by a median "
-                f"{worst[0]:.1%} of the call interval "
-                f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
-                f"{len(cl.members)} ranks).",
-                rel,
-            )
-        )
-    flagged = set(stragglers)
-    # a group late together is only its own cause when no straggler (pipeline neighbour) explains it
-    for m, comms in late.items() if not stragglers else ():
+    first: _Round | None = None
+    for _pass in range(MAX_PASSES):
+        rnd = _lateness_round(comm_lateness(mats, hosts, offsets, frozenset(stragglers)), hosts)
+        first = first or rnd
+        found = [
+            m
+            for m, comms in rnd.late.items()
+            if m not in stragglers and comms and rnd.is_late[m] >= rnd.judged[m]
+        ]
+        if not found:
+            break
+        stragglers.extend(found)
+        suspects.extend(_straggler(m, rnd) for m in found)
+    if first is not None and not stragglers:
+        suspects.extend(_slow_groups(first))
+    suspects.sort(key=lambda s: (-s.relative, s.rank))
+    return SlowResult(suspects, offsets, len(mats))
+
+
+def _slow_groups(rnd: _Round) -> list[SlowSuspect]:
+    """A group late together is only its own cause when no straggler (pipeline neighbour) explains it."""
+    late, is_late = rnd.late, rnd.is_late
+    flagged: set[int] = set()
+    suspects = []
+    for m, comms in late.items():
         if m in flagged or not is_late[m]:
             continue
         for c in set(comms) - is_late[m]:
             group = tuple(late[m][c][2].members.tolist())
-            if all(g in late and is_late[g] and g not in stragglers for g in group):
+            if all(g in late and is_late[g] for g in group):
                 rel = float(np.median([max(late[g][x][0] for x in is_late[g]) for g in group]))
                 for g in group:
                     if g in flagged:
@@ -208,8 +252,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                             group,
                         )
                     )
-    suspects.sort(key=lambda s: (-s.relative, s.rank))
-    return SlowResult(suspects, offsets, len(per_comm))
+    return suspects
 
 
 def _short(group: tuple[int, ...]) -> str:

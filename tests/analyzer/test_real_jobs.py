@@ -17,8 +17,8 @@ def test_real_job_with_a_hung_rank_names_it(tmp_path, capsys):
     job_dir = run_traced_job(
         tmp_path,
         nprocs=4,
-        steps=8,
-        env={"MEGATRACE_FAULT_HANG_RANK": "1", "MEGATRACE_FAULT_HANG_AT_STEP": "3"},
+        steps=6,
+        env={"MEGATRACE_FAULT_HANG_RANK": "1", "MEGATRACE_FAULT_HANG_AT_STEP": "2"},
     )
     code, report = _analyze_json(job_dir, capsys)
     assert code == 1 and report["verdict"] == "hang"
@@ -33,7 +33,7 @@ def test_real_job_with_a_slow_rank_names_it(tmp_path, capsys):
     job_dir = run_traced_job(
         tmp_path,
         nprocs=4,
-        steps=10,
+        steps=8,
         env={"MEGATRACE_FAULT_SLOW_RANK": "2", "MEGATRACE_FAULT_SLOW_PCT": "100"},
     )
     code, report = _analyze_json(job_dir, capsys)
