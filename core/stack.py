@@ -300,8 +300,10 @@ def _reap(pid: int) -> None:
 def down(config: StackConfig) -> list[str]:
     """Stop what the last `up` started (and nothing else); returns the names stopped."""
     state = Path(config.state_dir)
-    stopped = stop(read_state(state))
-    _write_state(state, [])
+    running = read_state(state)
+    stopped = stop(running)
+    if running:
+        _write_state(state, [])
     return stopped
 
 
