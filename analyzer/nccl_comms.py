@@ -5,9 +5,8 @@ hash it is a prefix of. Calls without a usable hash (older builds, or ``groupHas
 communicators made by ``ncclCommSplit``) are grouped per rank by CUDA stream (each process group has
 its own stream, and ``opCount`` counts per communicator), then matched across ranks by their call
 signature (the most frequent ``(op, count)``). Parallel groups with identical signatures (all TP
-groups, say) are split with the layout when one is given (see `_assign_groups`: a collective lets
-no member go before the last one arrived, so the dimension under which that holds wins). Without a
-layout they stay one merged group, which still lets the detectors find the rank behind or late.
+groups, say) are split with the layout when one is given (see `_assign_groups`). Without a layout
+they stay one merged group, which still lets the detectors find the rank behind or late.
 """
 
 from __future__ import annotations
@@ -51,76 +50,34 @@ def _signature(log: NcclRankLog, rows: np.ndarray) -> tuple[int, int]:
     return max(pairs.items(), key=lambda item: (item[1], item[0]))[0]
 
 
-def _violations(groups: list[tuple[int, ...]], times: dict[int, dict[int, tuple[int, int]]]) -> float:
-    """Share of calls where, if `groups` were the communicators, a member would have issued its next
-    call before the last member arrived (a collective lets nobody go before everybody is in)."""
-    checked = violated = 0
-    for group in groups:
-        series = [times[r] for r in group if r in times]
-        if len(series) < 2:
-            continue
-        shared = set.intersection(*(set(s) for s in series))
-        for op_count in sorted(shared)[-64:]:
-            calls = [s[op_count] for s in series]
-            last_in = max(enq for enq, _next in calls)
-            checked += 1
-            violated += any(nxt < last_in for _enq, nxt in calls)
-    return violated / checked if checked else 1.0
-
-
-def _spread(groups: list[tuple[int, ...]], times: dict[int, dict[int, tuple[int, int]]]) -> float:
-    """Median over groups and shared opCounts of the time between first and last member's call."""
-    spreads = []
-    for group in groups:
-        series = [times[r] for r in group if r in times]
-        if len(series) < 2:
-            continue
-        shared = set.intersection(*(set(s) for s in series))
-        for op_count in sorted(shared)[-64:]:
-            values = [s[op_count][0] for s in series]
-            spreads.append(max(values) - min(values))
-    return float(np.median(spreads)) if spreads else float("inf")
-
-
 def _assign_groups(
-    classes: dict[tuple[int, int], set[int]],
-    times: dict[tuple[int, int], dict[int, dict[int, tuple[int, int]]]],
-    layout: Layout | None,
+    classes: dict[tuple[int, int], set[int]], calls: dict[tuple[int, int], int], layout: Layout | None
 ) -> dict[tuple[int, int], list[tuple[int, ...]]]:
     """Split every class of calls into the groups of one layout dimension.
 
-    Candidates per class are the dimensions whose groups cover its ranks (sends/receives: only PP).
-    They are ranked by how often a member would have left a collective before its last member
-    arrived, then by how close together members issue calls; a rank is in one group per dimension,
-    so two classes that share ranks (two communicators on its streams) get different dimensions.
+    Timing cannot tell which dimension a class belongs to (TP peers are synchronized by their own
+    collectives, so they also call the DP all-reduce together), so the layout decides: a rank is in
+    one group per dimension, so classes sharing ranks get different dimensions; the class with the most
+    calls per rank takes the innermost dimension of the order string (Megatron issues TP collectives
+    per layer, DP ones per step), the next class the next dimension. Sends and receives go to PP.
     """
     out: dict[tuple[int, int], list[tuple[int, ...]]] = {
         sig: [tuple(sorted(r))] for sig, r in classes.items()
     }
     if layout is None:
         return out
-    ranked = []
-    for sig, ranks in classes.items():
-        dims = ("pp",) if sig[0] == P2P_SIGNATURE else DIMS
-        options = []
+    used: list[tuple[set[int], str]] = []
+    for sig in sorted(classes, key=lambda sig: (-calls[sig] / len(classes[sig]), sig)):
+        ranks = classes[sig]
+        dims = ("pp",) if sig[0] == P2P_SIGNATURE else tuple(d for d in layout.order if d != "pp")
         for dim in dims:
             if layout.sizes[dim] < 2 or max(ranks) >= layout.world_size:
                 continue
-            groups = [g for g in layout.groups(dim) if set(g) & ranks]
-            if len(groups) < 2 and not set(groups[0]) <= ranks:
+            if sig[0] != P2P_SIGNATURE and any(d == dim and ranks & r for r, d in used):
                 continue
-            options.append(((_violations(groups, times[sig]), _spread(groups, times[sig])), dim, groups))
-        if options:
-            options.sort(key=lambda option: option[0])
-            ranked.append((options[0][0], sig, options))
-    used: list[tuple[set[int], str]] = []
-    for _best, sig, options in sorted(ranked, key=lambda item: item[0]):
-        ranks = classes[sig]
-        for _score, dim, groups in options:
-            if sig[0] == P2P_SIGNATURE or not any(d == dim and ranks & r for r, d in used):
-                out[sig] = groups
-                used.append((ranks, dim))
-                break
+            out[sig] = [g for g in layout.groups(dim) if set(g) & ranks]
+            used.append((ranks, dim))
+            break
     return out
 
 
@@ -146,7 +103,7 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
     local: dict[tuple[int, int], np.ndarray] = {}
     classes: dict[tuple[int, int], set[int]] = defaultdict(set)
     class_of: dict[tuple[int, int], tuple[int, int]] = {}
-    times: dict[tuple[int, int], dict[int, dict[int, int]]] = defaultdict(dict)
+    calls: dict[tuple[int, int], int] = defaultdict(int)
     for i, log in enumerate(logs):
         usable = log.has_hash & (log.group_hash != 0)
         for value in np.unique(log.group_hash[usable]).tolist():
@@ -154,27 +111,18 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
             hashed_members[full].add(log.rank)
             if not _all_p2p(log.op[usable & (log.group_hash == value)]):
                 collective_hashes.add(full)
-        enq = log.enqueue_ns
-        nxt = np.append(enq[1:], np.iinfo(np.int64).max)  # when this rank issued its next call
         for stream in np.unique(log.stream[~usable]).tolist():
             rows = np.flatnonzero(~usable & (log.stream == stream))
             sig = _signature(log, rows)
             local[(i, stream)] = rows
             classes[sig].add(log.rank)
             class_of[(i, stream)] = sig
-            tail = rows[-256:]
-            times[sig][log.rank] = dict(
-                zip(
-                    log.op_count[tail].tolist(),
-                    zip(enq[tail].tolist(), nxt[tail].tolist(), strict=True),
-                    strict=True,
-                )
-            )
+            calls[sig] += len(rows)
     if layout is not None:
         for full in collective_hashes:
             hashed_members[full] = set(_layout_group(hashed_members[full], layout))
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
-    for sig, groups in _assign_groups(classes, times, layout).items():
+    for sig, groups in _assign_groups(classes, calls, layout).items():
         for group in groups:
             for rank in group:
                 group_of[(sig, rank)] = group

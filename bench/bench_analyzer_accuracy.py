@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     counts = {k: [0, 0, 0] for k in ("hang", "slow", "slow>=10%")}  # tp, fp, fn
-    false_verdicts = 0
+    false_verdicts = [0, 0]  # faulty scenarios, healthy scenarios
     formats: dict[str, int] = {}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,7 +79,7 @@ def main() -> None:
             got = {s["rank"] for s in report["suspects"]}
             expected = {"healthy": "healthy", "slow": "slow"}.get(kind, "hang")
             wrong_verdict = report["verdict"] != expected
-            false_verdicts += wrong_verdict
+            false_verdicts[kind == "healthy"] += wrong_verdict
             if args.verbose and (wrong_verdict or got != truth):
                 print(f"#{i} {kind} {fmt} {sc}: verdict {report['verdict']}, named {sorted(got)[:12]}, "
                       f"truth {sorted(truth)[:12]}")  # fmt: skip
@@ -100,7 +100,8 @@ def main() -> None:
         r = tp / (tp + fn) if tp + fn else 1.0
         f1 = 2 * p * r / (p + r) if p + r else 0.0
         print(f"{k:>10}: precision {p:.3f} recall {r:.3f} F1 {f1:.3f} (tp {tp}, fp {fp}, fn {fn})")
-    print(f"false verdicts (healthy called faulty, or a wrong fault kind): {false_verdicts}")
+    print(f"healthy scenarios with a false verdict: {false_verdicts[1]}")
+    print(f"faulty scenarios with a wrong or missing verdict: {false_verdicts[0]}")
 
 
 if __name__ == "__main__":
