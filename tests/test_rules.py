@@ -84,6 +84,33 @@ def test_promtool_unit_tests_pass(test_file: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def reads(expr: str, series: str) -> bool:
+    """Whether a PromQL expression uses the series (a whole name, not a prefix of a longer one)."""
+    return re.search(rf"(?<![\w:]){re.escape(series)}(?![\w:])", expr) is not None
+
+
+@pytest.mark.parametrize("test_file", RULE_TEST_FILES, ids=lambda path: path.name)
+def test_groups_that_record_are_evaluated_before_the_groups_that_read_them(test_file: Path) -> None:
+    """promtool evaluates groups in a random order unless `group_eval_order` fixes one, so a rule that
+    reads a series recorded in another group would see it one evaluation late, or not, by chance."""
+    spec = yaml.safe_load(test_file.read_text())
+    groups = [
+        group
+        for name in spec["rule_files"]
+        for group in yaml.safe_load((RULE_TESTS_DIR / name).read_text())["groups"]
+    ]
+    recorded_in = {
+        rule["record"]: group["name"] for group in groups for rule in group["rules"] if "record" in rule
+    }
+    position = {name: index for index, name in enumerate(spec.get("group_eval_order", []))}
+    for group in groups:
+        for rule in group["rules"]:
+            for series, source in recorded_in.items():
+                if source != group["name"] and reads(rule["expr"], series):
+                    where = f"{test_file.name}: {rule.get('alert') or rule['record']} reads {series}"
+                    assert position.get(source, len(position)) < position.get(group["name"], -1), where
+
+
 def test_every_rule_file_has_a_unit_test_file() -> None:
     tested = set()
     for path in RULE_TEST_FILES:
