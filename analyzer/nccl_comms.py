@@ -81,6 +81,22 @@ def _assign_groups(
     return out
 
 
+def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -> tuple[int, ...]:
+    """The two neighbouring stages a send/receive stream connects, out of the rank's pipeline group.
+
+    A pipeline channel's first transfer (opCount 0) carries activations forward: the rank that
+    received it is the later stage. Without the first record the whole group stays the channel.
+    """
+    first = rows[log.op_count[rows] == 0]
+    here = group.index(log.rank)
+    if not len(first):
+        return group
+    other = here - 1 if int(log.op[first[0]]) == OP_CODE["recv"] else here + 1
+    if not 0 <= other < len(group):
+        return group
+    return tuple(sorted((log.rank, group[other])))
+
+
 def _layout_group(seen: set[int], layout: Layout) -> tuple[int, ...]:
     """The smallest layout group holding every rank seen using a communicator (ranks that never reached
     it leave no line, so the logs alone undercount its members); the ranks seen when none holds them."""
@@ -148,6 +164,8 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
                 continue
             sig = class_of[(j, _stream)]
             group = group_of[(sig, log.rank)]
+            if sig[0] == P2P_SIGNATURE and len(group) > 2:
+                group = _pipeline_pair(log, rows, group)
             cols["comm"][rows] = len(comms)
             comms.append((("inferred", sig, group), group, _all_p2p(log.op[rows])))
         info = RankInfo(
