@@ -207,8 +207,15 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     stragglers: list[int] = []
     suspects = []
     first: _Round | None = None
+    per_comm = comm_lateness(mats, hosts, offsets)
     for _pass in range(MAX_PASSES):
-        rnd = _lateness_round(comm_lateness(mats, hosts, offsets, frozenset(stragglers)), hosts)
+        if stragglers:  # only communicators holding a straggler have new medians
+            masked = frozenset(stragglers)
+            touched = [i for i, (_c, members, _e, _d) in enumerate(mats) if masked & set(members.tolist())]
+            redone = comm_lateness([mats[i] for i in touched], hosts, offsets, masked)
+            for i, cl in zip(touched, redone, strict=True):
+                per_comm[i] = cl
+        rnd = _lateness_round(per_comm, hosts)
         first = first or rnd
         found = [
             m
