@@ -161,7 +161,10 @@ def _fast_fields(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
             header=None,
             names=list(range(_FAST_FIELDS)),
             usecols=list(_FAST_COLUMNS.values()),
-            dtype={column: "category" for name, column in _FAST_COLUMNS.items() if name not in _FAST_INTS},
+            dtype={
+                column: "category" if name not in _FAST_INTS else np.int64
+                for name, column in _FAST_COLUMNS.items()
+            },
             quoting=csv.QUOTE_NONE,
             encoding="latin-1",
             engine="c",
