@@ -79,7 +79,7 @@ RECORD_DTYPE = np.dtype(
     }
 )  # fmt: skip
 RECORD_WORDS = RECORD_SIZE // 8
-# The same layout for the writer: one pack_into per record (the serial packed as 0, committed after).
+# The same layout for the record path: one pack_into per record (the serial packed as 0, committed after).
 RECORD_STRUCT = struct.Struct("<QQqQqqqiiBBB5x")
 # Word/int32/byte positions of fields inside one record, for the writer's memoryviews.
 R_SERIAL, R_COMM_ID, R_SEQ, R_NBYTES, R_ENQUEUE_NS, R_COMPLETE_NS, R_STEP = range(7)
@@ -207,10 +207,11 @@ def _round_up(value: int, unit: int) -> int:
 
 
 class RingWriter:
-    """Creates a rank's ring file and writes records and counters into it in place.
+    """Creates a rank's ring file, maps it and gives the views that records and counters are written through.
 
-    All state lives in the mapped file; a record costs a fixed number of 8-byte stores and no
-    allocation. Only the rank's own threads write; readers in other processes use `read_ring`.
+    All state lives in the mapped file; the record path (`megatrace.tracer.recorder.Recorder`) writes a
+    record with one `pack_into` and a few 8-byte stores, no allocation. Only the rank's own threads
+    write; readers in other processes use `read_ring`.
     From creation to `close` (or process death) the writer holds a shared `flock` on the file through
     a descriptor of its own, which forked children drop: a held lock means a live writer, whatever
     PID namespace the reader is in.
@@ -246,7 +247,6 @@ class RingWriter:
         self.rec_q = records.cast("q")
         self.rec_i = records.cast("i")
         self.rec_b = records
-        self._pack = RECORD_STRUCT.pack_into
         self._write_identity(identity)
         self.header[W_STALL_THRESHOLD_NS] = stall_threshold_ns
         self._lock_fd = os.open(tmp, os.O_RDONLY)
@@ -254,7 +254,6 @@ class RingWriter:
         self.header[W_WRITER_FLAGS] = WRITER_HOLDS_LOCK
         os.register_at_fork(after_in_child=functools.partial(_release_in_child, weakref.ref(self)))
         os.replace(tmp, self.path)
-        self.serial = 0
 
     def release_lock(self) -> None:
         """Stop holding the liveness lock (readers then see the writer as gone)."""
@@ -296,43 +295,6 @@ class RingWriter:
         self.header[W_COMM_COUNT] += 1
         self.header[W_COMM_TABLE_USED] = used + len(raw)
         return True
-
-    def append(
-        self, cid: int, seq: int, op: int, nbytes: int, dtype: int, peer: int, enqueue_ns: int, step: int,
-        flags: int, rank: int,
-    ) -> int:  # fmt: skip
-        """Write one record (not yet completed) and return its serial (1-based record number)."""
-        serial = self.serial + 1
-        self.serial = serial
-        slot = (serial - 1) % self.capacity
-        self._pack(
-            self.rec_b,
-            slot * RECORD_SIZE,
-            0,
-            cid,
-            seq,
-            nbytes,
-            enqueue_ns,
-            0,
-            step,
-            rank,
-            peer,
-            op,
-            dtype,
-            flags,
-        )
-        self.rec_q[slot * RECORD_WORDS] = serial
-        h = self.header
-        h[W_CALLS_BY_OP + op] += 1
-        h[W_BYTES_BY_OP + op] += nbytes
-        h[W_LAST_ENQUEUE_NS] = enqueue_ns
-        return serial
-
-    def complete(self, serial: int, complete_ns: int) -> None:
-        """Stamp the completion time on record `serial` if the ring has not overwritten it yet."""
-        w = (serial - 1) % self.capacity * RECORD_WORDS
-        if self.rec_q[w] == serial:
-            self.rec_q[w + R_COMPLETE_NS] = complete_ns
 
     def set_peer(self, serial: int, peer: int) -> None:
         """Fill in the peer of record `serial` once known (a receive from any source)."""

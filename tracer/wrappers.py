@@ -1,7 +1,8 @@
 """Wrappers around the `torch.distributed` collective and point-to-point functions.
 
-Each wrapper reads the group, buffer, root/peer and ``async_op`` from the call's arguments, records
-the op, calls the original and records its completion: on return for synchronous calls, from the
+Each wrapper is generated at install time with the original's own parameter list, reads the group,
+buffer, root/peer and ``async_op`` from its parameters, records the op, calls the original and
+records its completion: on return for synchronous calls, from the
 Work's future for asynchronous ones (or from ``wait()`` on Works without a future, such as gloo's
 point-to-point Works). Functions that only delegate to another wrapped function are left alone, so
 every op is recorded once.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import inspect
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from megatrace.tracer.recorder import Recorder
     from megatrace.tracer.runtime import Tracer
 
+log = logging.getLogger("megatrace.tracer")
 _MISSING = object()
 
 
@@ -131,26 +134,15 @@ class TracedWork(dist.Work):
         return self._inner.get_future()
 
 
-def _measure(value: Any, is_list: bool) -> tuple[int, int]:
-    if value is None:
-        return 0, 0
-    if is_list:
-        total = 0
-        dtype = 0
-        for tensor in value:
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.nbytes
-                dtype = DTYPE_OF.get(tensor.dtype, OTHER_DTYPE)
-        return total, dtype
-    return value.nbytes, DTYPE_OF.get(value.dtype, OTHER_DTYPE)
-
-
-def _position(params: list[inspect.Parameter], name: str | None) -> tuple[int, Any]:
-    for index, param in enumerate(params):
-        if param.name == name:
-            default = None if param.default is inspect.Parameter.empty else param.default
-            return index, default
-    return 1 << 30, None
+def _measure_list(tensors: Any) -> tuple[int, int]:
+    """Total bytes and the (last) dtype code of a list of tensors; (0, 0) for None."""
+    total = 0
+    dtype = 0
+    for tensor in tensors or ():
+        if isinstance(tensor, torch.Tensor):
+            total += tensor.nbytes
+            dtype = DTYPE_OF.get(tensor.dtype, OTHER_DTYPE)
+    return total, dtype
 
 
 def _peer(ranks: tuple[int, ...], global_peer: Any, group_peer: Any) -> int:
@@ -161,69 +153,126 @@ def _peer(ranks: tuple[int, ...], global_peer: Any, group_peer: Any) -> int:
     return -1
 
 
-def make_wrapper(tracer: Tracer, original: Callable, spec: OpSpec) -> Callable:
-    """A function with `original`'s signature that records each call through `tracer`."""
-    params = list(inspect.signature(inspect.unwrap(original)).parameters.values())
-    group_at, group_default = _position(params, "group")
-    size_at, _ = _position(params, spec.size_arg)
-    size_name = spec.size_arg
-    async_at, _ = _position(params, "async_op")
-    peer_name, group_peer_name = spec.peer_args or (None, None)
-    peer_at, _ = _position(params, peer_name)
-    group_peer_at, _ = _position(params, group_peer_name)
-    op = OP_CODES[spec.op]
-    is_list = spec.size_is_list
-    fixed_async = spec.asynchronous
-    has_peer = spec.peer_args is not None
-    is_recv = spec.op == "recv"
-    comms = tracer.comms
+# The body of every wrapper. `make_wrapper` fills in the original's parameter list and, as plain
+# names, where the group, the buffer, async_op and the peer are, so a call is bound by the
+# interpreter like a call of the original: no *args/**kwargs to search, no per-call inspection.
+# Names the body uses start with "mt_"; the original's parameters never do (checked).
+_WRAPPER_TEMPLATE = """\
+def traced({parameters}):
+    mt_recorder = mt_tracer.recorder
+    if mt_recorder is None:
+        mt_recorder = mt_tracer.open_ring()
+        if mt_recorder is None:
+            return mt_original({arguments})
+    mt_comm = mt_comms.get({group}, mt_missing)
+    if mt_comm is mt_missing:
+        mt_comm = mt_tracer.lookup_comm({group})
+    if mt_comm is None:
+        return mt_original({arguments})
+    mt_nbytes, mt_dtype = {measure}
+    mt_async = {is_async}
+    mt_peer = {peer}
+    if mt_tracer.faults is not None:
+        mt_tracer.faults.before_call(mt_recorder.serial + 1, mt_recorder.step)
+    mt_serial = mt_recorder.begin(
+        mt_comm[0], mt_op, mt_nbytes, mt_dtype, mt_peer, mt_flag_async if mt_async else 0
+    )
+    try:
+        mt_result = mt_original({arguments})
+    except BaseException:
+        mt_recorder.end(mt_serial)
+        raise
+    if mt_async:
+        return mt_tracer.track_work(mt_result, mt_serial, mt_op)
+    if mt_fill_peer and mt_peer < 0 and isinstance(mt_result, int):
+        mt_recorder.writer.set_peer(mt_serial, mt_result)
+    mt_recorder.end(mt_serial)
+    return mt_result
+"""
+_PREFIX = "mt_"
 
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        recorder = tracer.recorder
-        if recorder is None:
-            recorder = tracer.open_ring()
-            if recorder is None:
-                return original(*args, **kwargs)
-        n = len(args)
-        group = args[group_at] if n > group_at else kwargs.get("group", group_default)
-        comm = comms.get(group, _MISSING)
-        if comm is _MISSING:
-            comm = tracer.lookup_comm(group)
-        if comm is None:
-            return original(*args, **kwargs)
-        size = args[size_at] if n > size_at else kwargs.get(size_name)
-        nbytes, dtype = _measure(size, is_list) if size_name is not None else (0, 0)
-        if fixed_async is None:
-            is_async = bool(args[async_at] if n > async_at else kwargs.get("async_op", False))
+
+class _Name(str):
+    """A default value's stand-in that prints as the name it is bound to in the generated code."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _parameter_lists(params: list[inspect.Parameter]) -> tuple[str, str, dict[str, Any]]:
+    """(parameter list for the def, argument list passing each one on, default values by name)."""
+    kind = inspect.Parameter
+    declared: list[inspect.Parameter] = []
+    passed: list[str] = []
+    defaults: dict[str, Any] = {}
+    for index, param in enumerate(params):
+        if param.name.startswith(_PREFIX):
+            raise ValueError(f"parameter {param.name!r} clashes with the wrapper's own names")
+        default = param.default
+        if default is not kind.empty:
+            default = _Name(f"{_PREFIX}default_{index}")
+            defaults[str(default)] = param.default
+        declared.append(param.replace(default=default, annotation=kind.empty))
+        if param.kind is kind.VAR_POSITIONAL:
+            passed.append(f"*{param.name}")
+        elif param.kind is kind.VAR_KEYWORD:
+            passed.append(f"**{param.name}")
+        elif param.kind is kind.KEYWORD_ONLY:
+            passed.append(f"{param.name}={param.name}")
         else:
-            is_async = fixed_async
-        peer = -1
-        if has_peer:
-            peer = _peer(
-                comm[1],
-                args[peer_at] if n > peer_at else kwargs.get(peer_name),
-                args[group_peer_at] if n > group_peer_at else kwargs.get(group_peer_name),
-            )
-        if tracer.faults is not None:
-            tracer.faults.before_call(recorder.calls + 1, recorder.step)
-        serial = recorder.begin(comm[0], op, nbytes, dtype, peer, FLAG_ASYNC if is_async else 0)
-        try:
-            result = original(*args, **kwargs)
-        except BaseException:
-            recorder.end(serial)
-            raise
-        if is_async:
-            return tracer.track_work(result, serial, op)
-        if is_recv and peer < 0 and isinstance(result, int):
-            recorder.writer.set_peer(serial, result)
-        recorder.end(serial)
-        return result
+            passed.append(param.name)
+    return str(inspect.Signature(declared))[1:-1], ", ".join(passed), defaults
 
-    traced.__wrapped__ = original  # type: ignore[attr-defined]
+
+def make_wrapper(tracer: Tracer, original: Callable, spec: OpSpec) -> Callable:
+    """A function with `original`'s signature that records each call through `tracer`.
+
+    Generated once per function from `_WRAPPER_TEMPLATE`: a synchronous call costs the argument
+    binding, one communicator-cache lookup, `Recorder.begin` and `Recorder.end` on top of the original.
+    Raises ValueError for a signature the template cannot take.
+    """
+    params = list(inspect.signature(inspect.unwrap(original)).parameters.values())
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+
+    def arg(name: str | None) -> str:
+        return name if name in named else "None"
+
+    parameters, arguments, namespace = _parameter_lists(params)
+    size = arg(spec.size_arg)
+    if spec.size_arg is None:
+        measure = "0, 0"
+    elif spec.size_is_list:
+        measure = f"mt_measure_list({size})"
+    else:
+        measure = f"(0, 0) if {size} is None else ({size}.nbytes, mt_dtype_of({size}.dtype, mt_other))"
+    is_async = f"bool({arg('async_op')})" if spec.asynchronous is None else str(spec.asynchronous)
+    peer = "-1"
+    if spec.peer_args is not None:
+        peer = f"mt_peer_of(mt_comm[1], {arg(spec.peer_args[0])}, {arg(spec.peer_args[1])})"
+    source = _WRAPPER_TEMPLATE.format(
+        parameters=parameters, arguments=arguments, group=arg("group"), measure=measure,
+        is_async=is_async, peer=peer,
+    )  # fmt: skip
+    namespace.update(
+        mt_tracer=tracer,
+        mt_original=original,
+        mt_comms=tracer.comms,
+        mt_missing=_MISSING,
+        mt_op=OP_CODES[spec.op],
+        mt_flag_async=FLAG_ASYNC,
+        mt_fill_peer=spec.op == "recv",
+        mt_dtype_of=DTYPE_OF.get,
+        mt_other=OTHER_DTYPE,
+        mt_measure_list=_measure_list,
+        mt_peer_of=_peer,
+    )
+    exec(compile(source, f"<megatrace wrapper of {original.__name__}>", "exec"), namespace)
+    traced = namespace["traced"]
+    traced.__wrapped__ = original
     traced.__name__ = original.__name__
     traced.__qualname__ = getattr(original, "__qualname__", original.__name__)
     traced.__doc__ = original.__doc__
-    traced.__megatrace__ = True  # type: ignore[attr-defined]
+    traced.__megatrace__ = True
     return traced
 
 
@@ -246,9 +295,14 @@ def _globals_used(function: Callable) -> set[str]:
 
 def patch(tracer: Tracer) -> dict[str, Callable]:
     """Replace the functions in torch.distributed and its c10d module; returns the originals."""
-    originals = functions_to_wrap()
-    for name, original in originals.items():
-        wrapper = make_wrapper(tracer, original, OP_SPECS[name])
+    originals = {}
+    for name, original in functions_to_wrap().items():
+        try:
+            wrapper = make_wrapper(tracer, original, OP_SPECS[name])
+        except ValueError as exc:
+            log.warning("megatrace tracer: %s not traced: %s", name, exc)
+            continue
+        originals[name] = original
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapper)
