@@ -9,13 +9,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.utils import floatToGoString
 
+from megatrace.exporters.families import FixedSeriesFamily, escape_label_value
+
 _SIMPLE_TYPES = frozenset({"gauge", "counter"})
-
-
-def _escape(value: str) -> str:
-    if "\\" in value or "\n" in value or '"' in value:
-        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
-    return value
 
 
 def render_text(registry: CollectorRegistry) -> bytes:
@@ -23,6 +19,12 @@ def render_text(registry: CollectorRegistry) -> bytes:
     metrics = list(registry.collect())
     lines: list[str] = []
     for metric in metrics:
+        if isinstance(metric, FixedSeriesFamily):
+            name = metric.sample_name
+            doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+            lines.append(f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n")
+            lines.extend(f"{text}{floatToGoString(value)}\n" for text, _, value in metric.series)
+            continue
         if metric.type not in _SIMPLE_TYPES:
             return generate_latest(_Frozen(metrics))
         name = metric.name + "_total" if metric.type == "counter" else metric.name
@@ -32,7 +34,7 @@ def render_text(registry: CollectorRegistry) -> bytes:
             if sample.name != name or sample.timestamp is not None:
                 return generate_latest(_Frozen(metrics))
             if sample.labels:
-                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(sample.labels.items()))
+                labels = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in sorted(sample.labels.items()))
                 lines.append(f"{name}{{{labels}}} {floatToGoString(sample.value)}\n")
             else:
                 lines.append(f"{name} {floatToGoString(sample.value)}\n")

@@ -1,10 +1,12 @@
-"""Builds a scrape's metric families on the fly: add samples by name, get families in a stable order."""
+"""Builds a scrape's metric families: on the fly by name (`FamilySet`), or from series known in advance
+(`FixedSeriesFamily`, whose exposition text is prepared once)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
 
 PREFIX = "megatrace_"
 
@@ -38,3 +40,40 @@ class FamilySet:
     def families(self) -> list[Metric]:
         """All families, sorted by name so that the exposition is stable."""
         return [self._families[name] for name in sorted(self._families)]
+
+
+class FixedSeriesFamily:
+    """A gauge or counter family for series whose names and labels stay put between scrapes.
+
+    Each series is added as (its exposition text up to the value, its labels, the value): the text is
+    built once by `series_text` when the collector learns the series, so `render_text` writes a scrape
+    with one number formatted per series. `samples` gives prometheus_client's view of the same series
+    (for `generate_latest` and the OpenMetrics encoder), built only when asked for.
+    """
+
+    def __init__(self, name: str, documentation: str, typ: str) -> None:
+        self.name = name.removesuffix("_total") if typ == "counter" else name
+        self.documentation = documentation
+        self.type = typ
+        self.unit = ""
+        self.sample_name = self.name + "_total" if typ == "counter" else self.name
+        self.series: list[tuple[str, dict[str, str], float]] = []
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [Sample(self.sample_name, labels, value, None, None) for _, labels, value in self.series]
+
+
+def series_text(sample_name: str, labels: dict[str, str]) -> str:
+    """The exposition text of a series before its value: ``name{label="value",...} `` (sorted labels)."""
+    if not labels:
+        return f"{sample_name} "
+    rendered = ",".join(f'{key}="{escape_label_value(value)}"' for key, value in sorted(labels.items()))
+    return f"{sample_name}{{{rendered}}} "
+
+
+def escape_label_value(value: str) -> str:
+    """A label value as the text exposition writes it (backslash, newline and quote escaped)."""
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value

@@ -4,19 +4,28 @@ Series are ``megatrace_infiniband_*{device,port}`` with node_exporter's names af
 node_exporter has one (so rules and dashboards move across), RoCE ``hw_counters/`` as
 ``megatrace_infiniband_hw_<counter>_total``. Files that cannot be read or read ``N/A (no PMA)``
 are skipped quietly: that series is simply absent.
+
+Which devices, ports and attribute files exist (and the devices' identity) changes only when hardware
+or drivers do, so it is scanned once and again every `RESCAN_SECONDS`; a scrape then only re-reads
+the attribute files, each with one ``pread`` at offset 0 on a descriptor held open (sysfs produces
+an attribute's current value on every read from offset 0), and writes series whose text was
+prepared by the scan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
-from collections.abc import Iterator
+import resource
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from prometheus_client.core import Metric
-
-from megatrace.exporters.families import FamilySet
+from megatrace.exporters.families import PREFIX, FixedSeriesFamily, series_text
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +111,10 @@ HW_SETTINGS = frozenset({"lifespan"})
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 READ_LIMIT = 4096
+RESCAN_SECONDS = 30.0
+# Descriptors left for everything else in the agent (HTTP connections, tracer files, NVML).
+RESERVED_FDS = 256
+FAMILY_PREFIX = f"{PREFIX}infiniband_"
 
 
 def _read_at(directory_fd: int | None, path: str) -> bytes | None:
@@ -125,29 +138,9 @@ def read_text(path: str | Path) -> str | None:
     return None if data is None else data.decode("ascii", errors="replace")
 
 
-def read_directory(path: str | Path) -> list[tuple[str, bytes]]:
-    """(name, stripped content) of every readable file in a sysfs directory, sorted by name.
-
-    Files are opened relative to the directory (one path walk for the whole directory); entries that
-    cannot be read (EACCES, EINVAL, EISDIR, dangling links, ...) are left out.
-    """
-    try:
-        directory_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return []
-    try:
-        found = []
-        for name in sorted(os.listdir(directory_fd)):
-            data = _read_at(directory_fd, name)
-            if data is not None:
-                found.append((name, data))
-        return found
-    finally:
-        os.close(directory_fd)
-
-
 def parse_counter(data: bytes) -> int | None:
     """A counter's value; None when not a number (``N/A (no PMA)``)."""
+    data = data.strip()
     return int(data) if data.isdigit() else None
 
 
@@ -172,11 +165,19 @@ def parse_rate(text: str | None) -> float | None:
         return None
 
 
+def _state_value(data: bytes) -> int | None:
+    return parse_state(data.strip().decode("ascii", errors="replace"))
+
+
+def _rate_value(data: bytes) -> float | None:
+    return parse_rate(data.strip().decode("ascii", errors="replace"))
+
+
 def _metric_name(file_name: str) -> str:
     return _NAME_UNSAFE.sub("_", file_name).lower()
 
 
-def _subdirectories(path: Path) -> list[str]:
+def _listing(path: Path) -> list[str]:
     try:
         return sorted(os.listdir(path))
     except OSError:
@@ -187,15 +188,160 @@ def _port_number(name: str) -> int:
     return int(name) if name.isdigit() else -1
 
 
+def _fd_budget() -> int:
+    """How many more descriptors a scan may hold: the soft limit less those open and `RESERVED_FDS`."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 0
+    limit = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+    return max(limit - RESERVED_FDS - in_use, 0)
+
+
+def _close_held(attributes: list[_Attribute]) -> None:
+    for attribute in attributes:
+        if attribute.fd >= 0:
+            os.close(attribute.fd)
+            attribute.fd = -1
+
+
+@dataclasses.dataclass
+class _Attribute:
+    """One sysfs file read at every scrape, and the series it gives."""
+
+    path: str
+    fd: int  # held open; -1 when over the descriptor budget (then opened per read)
+    family: int  # index into _Layout.families
+    text: str  # exposition text before the value
+    labels: dict[str, str]
+    parse: Callable[[bytes], float | None]
+    scale: int = 1
+
+
+@dataclasses.dataclass
+class _Layout:
+    """What one scan found: families (name, help, type), fixed-value series and attributes to read."""
+
+    families: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+    constant: list[tuple[int, str, dict[str, str], float]] = dataclasses.field(default_factory=list)
+    attributes: list[_Attribute] = dataclasses.field(default_factory=list)
+    scanned_at: float = 0.0
+    _index: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Held descriptors are closed by `close`, or when the layout is garbage-collected.
+        self.close = weakref.finalize(self, _close_held, self.attributes)
+
+    def family(self, name: str, doc: str, typ: str) -> int:
+        full = FAMILY_PREFIX + name
+        index = self._index.get(full)
+        if index is None:
+            index = self._index[full] = len(self.families)
+            self.families.append((full, doc, typ))
+        return index
+
+    def sample_name(self, index: int) -> str:
+        name, _, typ = self.families[index]
+        return name if typ == "gauge" or name.endswith("_total") else f"{name}_total"
+
+
+_STATE_HELP = "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active defer)."
+_PHYS_STATE_HELP = (
+    "Physical port state (2 polling, 3 disabled, 4 port configuration training, 5 link up, "
+    "6 link error recovery, 7 phy test)."
+)
+
+
+class _Scanner:
+    """Builds a `_Layout` from the tree, holding descriptors up to the budget."""
+
+    def __init__(self, layout: _Layout, budget: int) -> None:
+        self.layout = layout
+        self.budget = budget
+
+    def attribute(
+        self,
+        path: Path,
+        family: int,
+        labels: dict[str, str],
+        parse: Callable[[bytes], float | None],
+        scale: int = 1,
+    ) -> None:
+        fd = -1
+        if self.budget > 0:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                log.debug("skipping %s: %s", path, exc)
+                return
+            self.budget -= 1
+        text = series_text(self.layout.sample_name(family), labels)
+        self.layout.attributes.append(_Attribute(str(path), fd, family, text, labels, parse, scale))
+
+    def port(self, device: str, identity: dict[str, str], port_dir: Path) -> None:
+        layout = self.layout
+        labels = {"device": device, "port": port_dir.name}
+        info_labels = {**labels, **identity, "link_layer": read_text(port_dir / "link_layer") or ""}
+        info = layout.family(
+            "info", "HCA port identity; link_layer is InfiniBand, or Ethernet for RoCE.", "gauge"
+        )
+        layout.constant.append((info, series_text(layout.sample_name(info), info_labels), info_labels, 1.0))
+        self.attribute(
+            port_dir / "state", layout.family("state_id", _STATE_HELP, "gauge"), labels, _state_value
+        )
+        phys = layout.family("physical_state_id", _PHYS_STATE_HELP, "gauge")
+        self.attribute(port_dir / "phys_state", phys, labels, _state_value)
+        rate = layout.family(
+            "rate_bytes_per_second", "Signalling rate of the port, in bytes per second.", "gauge"
+        )
+        self.attribute(port_dir / "rate", rate, labels, _rate_value)
+        self.counters(labels, port_dir / "counters", COUNTERS, "")
+        self.counters(labels, port_dir / "counters_ext", LEGACY_COUNTERS, "legacy_")
+        hw_dir = port_dir / "hw_counters"
+        for name in _listing(hw_dir):
+            if name not in HW_SETTINGS:
+                family = layout.family(
+                    f"hw_{_metric_name(name)}_total",
+                    f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
+                    "counter",
+                )
+                self.attribute(hw_dir / name, family, labels, parse_counter)
+
+    def counters(
+        self, labels: dict[str, str], directory: Path, known: dict[str, tuple[str, str]], unknown_prefix: str
+    ) -> None:
+        for file_name in _listing(directory):
+            name, doc = known.get(file_name) or (
+                f"{unknown_prefix}{_metric_name(file_name)}_total",
+                f"Port counter {directory.name}/{file_name}.",
+            )
+            family = self.layout.family(name, doc, "counter")
+            scale = 4 if file_name in WORD_COUNTERS else 1
+            self.attribute(directory / file_name, family, labels, parse_counter, scale)
+
+
+def _read_once(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, READ_LIMIT)
+    finally:
+        os.close(fd)
+
+
 class InfinibandCollector:
     """Reads every port of every HCA under `sysfs_root`/class/infiniband at each scrape."""
 
-    def __init__(self, sysfs_root: str | Path = "/sys") -> None:
+    def __init__(self, sysfs_root: str | Path = "/sys", rescan_seconds: float = RESCAN_SECONDS) -> None:
         self.class_dir = Path(sysfs_root) / "class" / "infiniband"
+        self.rescan_seconds = rescan_seconds
+        self._layout: _Layout | None = None
+        self._lock = threading.Lock()
 
-    def collect(self) -> Iterator[Metric]:
-        families = FamilySet("infiniband")
-        for device in _subdirectories(self.class_dir):
+    def _scan(self) -> _Layout:
+        layout = _Layout(scanned_at=time.monotonic())
+        scanner = _Scanner(layout, _fd_budget())
+        for device in _listing(self.class_dir):
             device_dir = self.class_dir / device
             identity = {
                 "board_id": read_text(device_dir / "board_id") or "",
@@ -203,74 +349,39 @@ class InfinibandCollector:
                 "hca_type": read_text(device_dir / "hca_type") or "",
                 "node_guid": read_text(device_dir / "node_guid") or "",
             }
-            for port in sorted(_subdirectories(device_dir / "ports"), key=_port_number):
+            for port in sorted(_listing(device_dir / "ports"), key=_port_number):
                 if _port_number(port) >= 0:
-                    self._collect_port(families, device, identity, device_dir / "ports" / port)
-        return iter(families.families())
+                    scanner.port(device, identity, device_dir / "ports" / port)
+        return layout
 
-    def _collect_port(
-        self, families: FamilySet, device: str, identity: dict[str, str], port_dir: Path
-    ) -> None:
-        labels = {"device": device, "port": port_dir.name}
-        link_layer = read_text(port_dir / "link_layer") or ""
-        families.gauge(
-            "info",
-            "HCA port identity; link_layer is InfiniBand, or Ethernet for RoCE.",
-            {**labels, **identity, "link_layer": link_layer},
-            1.0,
-        )
-        state = parse_state(read_text(port_dir / "state"))
-        if state is not None:
-            families.gauge(
-                "state_id",
-                "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active defer).",
-                labels,
-                state,
-            )
-        phys_state = parse_state(read_text(port_dir / "phys_state"))
-        if phys_state is not None:
-            families.gauge(
-                "physical_state_id",
-                "Physical port state (2 polling, 3 disabled, 4 port configuration training, 5 link up, "
-                "6 link error recovery, 7 phy test).",
-                labels,
-                phys_state,
-            )
-        rate = parse_rate(read_text(port_dir / "rate"))
-        if rate is not None:
-            families.gauge(
-                "rate_bytes_per_second", "Signalling rate of the port, in bytes per second.", labels, rate
-            )
-        self._counters(families, labels, port_dir / "counters", COUNTERS, "")
-        self._counters(families, labels, port_dir / "counters_ext", LEGACY_COUNTERS, "legacy_")
-        for name, data in read_directory(port_dir / "hw_counters"):
-            value = parse_counter(data)
-            if value is not None and name not in HW_SETTINGS:
-                families.counter(
-                    f"hw_{_metric_name(name)}_total",
-                    f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
-                    labels,
-                    value,
-                )
+    def collect(self) -> Iterator[FixedSeriesFamily]:
+        with self._lock:
+            layout = self._layout
+            if layout is None or time.monotonic() - layout.scanned_at >= self.rescan_seconds:
+                if layout is not None:
+                    layout.close()
+                layout = self._layout = self._scan()
+            families = [FixedSeriesFamily(name, doc, typ) for name, doc, typ in layout.families]
+            for family, text, labels, value in layout.constant:
+                families[family].series.append((text, labels, value))
+            pread = os.pread
+            for attribute in layout.attributes:
+                try:
+                    fd = attribute.fd
+                    data = pread(fd, READ_LIMIT, 0) if fd >= 0 else _read_once(attribute.path)
+                except OSError as exc:
+                    log.debug("skipping %s: %s", attribute.path, exc)
+                    continue
+                value = attribute.parse(data)
+                if value is not None:
+                    families[attribute.family].series.append(
+                        (attribute.text, attribute.labels, value * attribute.scale)
+                    )
+        return iter(sorted((f for f in families if f.series), key=lambda f: f.sample_name))
 
-    @staticmethod
-    def _counters(
-        families: FamilySet,
-        labels: dict[str, str],
-        directory: Path,
-        known: dict[str, tuple[str, str]],
-        unknown_prefix: str,
-    ) -> None:
-        for file_name, data in read_directory(directory):
-            value = parse_counter(data)
-            if value is None:
-                continue
-            if file_name in WORD_COUNTERS:
-                value *= 4
-            known_name = known.get(file_name)
-            if known_name is None:
-                known_name = (
-                    f"{unknown_prefix}{_metric_name(file_name)}_total",
-                    f"Port counter {directory.name}/{file_name}.",
-                )
-            families.counter(known_name[0], known_name[1], labels, value)
+    def close(self) -> None:
+        """Let go of the descriptors held on attribute files."""
+        with self._lock:
+            if self._layout is not None:
+                self._layout.close()
+                self._layout = None

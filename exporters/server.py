@@ -9,7 +9,7 @@ import logging
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder
+from prometheus_client.exposition import choose_encoder
 
 from megatrace.exporters.exposition import render_text
 
@@ -41,7 +41,9 @@ class MetricsHandler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            if content_type == CONTENT_TYPE_LATEST:
+            if content_type.startswith("text/plain"):
+                # choose_encoder names the text format it picked (0.0.4), which render_text writes;
+                # CONTENT_TYPE_LATEST names another version in newer prometheus_client releases.
                 encoder = render_text
             try:
                 body = encoder(self.server.registry)

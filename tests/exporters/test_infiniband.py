@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from megatrace.exporters import infiniband
 from megatrace.exporters.infiniband import InfinibandCollector, parse_rate, parse_state
 from tests.exporters.exposition import promtool_check, render, samples, value
 from tests.support.services import free_port, require_binary, running
@@ -85,6 +86,39 @@ def test_unreadable_files_are_skipped_quietly(tmp_path: Path, caplog: pytest.Log
     assert all(labels == port_labels for name, labels in set(expected) - set(got))
     assert set(got) <= set(expected)
     assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_each_scrape_rereads_values_and_a_rescan_finds_new_ports(tmp_path: Path) -> None:
+    root = tmp_path / "sys"
+    shutil.copytree(FIXTURES / "infiniband", root, symlinks=True)
+    port = root / PORT_DIR
+    collector = InfinibandCollector(root, rescan_seconds=3600)
+    received = "megatrace_infiniband_port_data_received_bytes_total"
+    assert value(render(collector), received, device="mlx5_0", port="1") == 1217340391482 * 4
+    (port / "counters" / "port_rcv_data").write_text("1217340391500\n")  # same file, new content
+    (port / "state").write_text("1: DOWN\n")
+    text = render(collector)
+    assert value(text, received, device="mlx5_0", port="1") == 1217340391500 * 4
+    assert value(text, "megatrace_infiniband_state_id", device="mlx5_0", port="1") == 1
+
+    # a second port appears: seen once the layout is rescanned, not before
+    shutil.copytree(port, port.parent / "2")
+    new_port = {("device", "mlx5_0"), ("port", "2")}
+    assert not [labels for _, labels in samples(render(collector)) if new_port <= set(labels)]
+    collector.rescan_seconds = 0
+    assert value(render(collector), received, device="mlx5_0", port="2") == 1217340391500 * 4
+    collector.close()
+
+
+def test_without_descriptors_to_spare_files_are_opened_per_scrape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(infiniband, "_fd_budget", lambda: 0)
+    root = tmp_path / "sys"
+    shutil.copytree(FIXTURES / "roce", root, symlinks=True)
+    collector = InfinibandCollector(root)
+    assert render(collector) == (FIXTURES / "roce.prom").read_text()
+    assert all(attribute.fd == -1 for attribute in collector._layout.attributes)
 
 
 def test_no_infiniband_class_means_no_series(tmp_path: Path) -> None:
