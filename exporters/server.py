@@ -1,11 +1,15 @@
 """The agent's HTTP endpoint: ``/metrics`` (Prometheus text or OpenMetrics), ``/healthz`` and an index.
 
-Each request is served on its own thread; every scrape calls the collectors afresh.
+Each request is served on its own thread; every scrape calls the collectors afresh. The Prometheus
+text format (0.0.4, written by our fast encoder) is served to every client that accepts it — as
+node_exporter does — including Prometheus, which lists OpenMetrics first but accepts text too;
+OpenMetrics only goes to clients that accept nothing else.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
@@ -14,11 +18,36 @@ from prometheus_client.exposition import choose_encoder
 from megatrace.exporters.exposition import render_text
 
 log = logging.getLogger(__name__)
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 INDEX = b"""<html><head><title>Megatrace node agent</title></head><body>
 <h1>Megatrace node agent</h1><p><a href="/metrics">/metrics</a> &middot; <a href="/healthz">/healthz</a></p>
 </body></html>
 """
+
+
+def accepts_text(accept: str) -> bool:
+    """Whether an HTTP Accept header admits the Prometheus text format (no header admits anything)."""
+    if not accept.strip():
+        return True
+    for part in accept.split(","):
+        media, _, params = part.strip().partition(";")
+        quality = next((p.split("=", 1)[1] for p in params.split(";") if p.strip().startswith("q=")), "1")
+        if media.strip() in ("text/plain", "text/*", "*/*") and quality.strip() not in (
+            "0",
+            "0.0",
+            "0.00",
+            "0.000",
+        ):
+            return True
+    return False
+
+
+def negotiate(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
+    """The encoder and content type for a scrape with this Accept header."""
+    if accepts_text(accept):
+        return render_text, TEXT_CONTENT_TYPE
+    return choose_encoder(accept)
 
 
 class MetricsServer(ThreadingHTTPServer):
@@ -40,11 +69,7 @@ class MetricsHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            if content_type.startswith("text/plain"):
-                # choose_encoder names the text format it picked (0.0.4), which render_text writes;
-                # CONTENT_TYPE_LATEST names another version in newer prometheus_client releases.
-                encoder = render_text
+            encoder, content_type = negotiate(self.headers.get("Accept", ""))
             try:
                 body = encoder(self.server.registry)
             except Exception:

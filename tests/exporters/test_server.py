@@ -76,6 +76,18 @@ def test_health_index_openmetrics_and_unknown_paths(serve) -> None:
     om = requests.get(f"{url}/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=10)
     assert om.headers["Content-Type"].startswith("application/openmetrics-text")
     assert om.text.endswith("# EOF\n")
+    prometheus_accept = (
+        "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+        "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+    )
+    text = requests.get(f"{url}/metrics", headers={"Accept": prometheus_accept}, timeout=10)
+    assert text.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "# EOF" not in text.text
+    assert "megatrace_infiniband_state_id{" in text.text
+    refused = requests.get(
+        f"{url}/metrics", headers={"Accept": "text/plain;q=0, application/openmetrics-text"}, timeout=10
+    )
+    assert refused.headers["Content-Type"].startswith("application/openmetrics-text")
 
 
 def test_concurrent_scrapes_while_xid_events_arrive(serve) -> None:
