@@ -53,6 +53,36 @@ def test_core_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize(
+    ("command", "absent"),
+    [
+        ("exporter", ("pandas", "apscheduler", "torch")),
+        ("trace", ("pandas", "torch")),
+        ("analyze", ("torch",)),
+    ],
+)
+def test_a_subcommand_imports_only_its_component(command: str, absent: tuple[str, ...]) -> None:
+    probe = f"""
+import contextlib, sys
+from megatrace.cli import build_parser
+with contextlib.suppress(SystemExit):
+    build_parser([{command!r}]).parse_args([{command!r}, "--help"])
+print(sorted(set({list(absent)!r}) & set(sys.modules)))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert f"usage: megatrace {command}" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_every_subcommand_has_help() -> None:
+    from megatrace.cli import COMMANDS
+
+    for command in COMMANDS:
+        exe = Path(sys.executable).parent / "megatrace"
+        out = subprocess.run([str(exe), command, "--help"], capture_output=True, text=True, check=True)
+        assert out.stdout.startswith(f"usage: megatrace {command}")
+
+
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
@@ -65,6 +95,8 @@ def test_console_script_help() -> None:
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("usage: megatrace")
     assert "--log-format" in out.stdout
+    for command in ("exporter", "analyze", "alertbot", "trace", "stack"):
+        assert command in out.stdout
 
 
 def test_no_subcommand_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
