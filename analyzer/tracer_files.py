@@ -20,7 +20,7 @@ from megatrace.tracer.ringfile import (
     W_COMM_TABLE_USED,
     W_RECORDS_OFFSET,
     RingSnapshot,
-    _parse_comm_table,
+    parse_comm_table,
     read_header,
     read_ring,
 )
@@ -57,7 +57,7 @@ def read_ring_file(path: Path) -> RingSnapshot:
         serial = records["serial"]
     if len(serial) > 1 and not bool((serial[1:] > serial[:-1]).all()):
         records = records[np.argsort(serial, kind="stable")]
-    communicators = _parse_comm_table(table, int(words[W_COMM_COUNT]))
+    communicators = parse_comm_table(table, int(words[W_COMM_COUNT]))
     return RingSnapshot(header=after, records=records, communicators=communicators, taken_ns=taken_ns)
 
 

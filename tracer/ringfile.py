@@ -399,7 +399,7 @@ def read_header(path: str | Path) -> RingHeader:
     return _header_from(_check_header(path, raw), raw)
 
 
-def _parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
+def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
     comms: dict[int, tuple[int, ...]] = {}
     pos = 0
     for _ in range(count):
@@ -449,6 +449,6 @@ def read_ring(path: str | Path) -> RingSnapshot:
     return RingSnapshot(
         header=_header_from(words, raw),
         records=records,
-        communicators=_parse_comm_table(table, int(words[W_COMM_COUNT])),
+        communicators=parse_comm_table(table, int(words[W_COMM_COUNT])),
         taken_ns=taken_ns,
     )
