@@ -400,6 +400,7 @@ def read_header(path: str | Path) -> RingHeader:
 
 
 def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
+    """Communicator id → sorted member global ranks, from the first `count` entries of a table."""
     comms: dict[int, tuple[int, ...]] = {}
     pos = 0
     for _ in range(count):
