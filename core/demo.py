@@ -299,9 +299,15 @@ def run(config: StackConfig, scenario: Scenario, say: Callable[[str], None] = pr
     return outcome
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the job and the stack are stopped on the way out."""
+    raise KeyboardInterrupt
+
+
 def main(config: StackConfig, scenario: Scenario) -> int:
     """Run the demo, print where everything is, and return the exit code."""
     started = time.monotonic()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         outcome = run(config, scenario)
     except (DemoFailed, StackError) as exc:

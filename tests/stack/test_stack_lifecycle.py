@@ -109,3 +109,46 @@ def test_down_leaves_processes_it_did_not_start(tmp_path: Path) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_demo_stopped_by_sigterm_leaves_nothing_running(tmp_path: Path) -> None:
+    state = tmp_path / "demo"
+    env = {**os.environ, **{f"MEGATRACE_STACK_PORTS__{name.upper()}": str(free_port()) for name in PARTS}}
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "megatrace.cli", "stack", "--state-dir", str(state), "demo", "--seed", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    job_log = state / "logs" / "demo-hang.log"
+    deadline = time.monotonic() + 120
+    while not (job_log.exists() and job_log.stat().st_size > 0) and time.monotonic() < deadline:
+        assert demo.poll() is None, demo.stdout.read().decode() if demo.stdout else ""
+        time.sleep(0.2)
+    running = read_state(state)
+    assert len(running) == 5 and all(is_ours(item) for item in running)
+    deadline = time.monotonic() + 60
+    while len(_processes_mentioning(str(state / "trace"))) < 5 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_mentioning(str(state / "trace"))) >= 5  # launcher and ranks of the job
+    demo.send_signal(signal.SIGTERM)
+    output = demo.communicate(timeout=60)[0].decode()
+    assert demo.returncode != 0
+    assert "[5/5] stopping the stack" in output
+    assert not any(is_ours(item) for item in running)
+    assert _processes_mentioning(str(state)) == []
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line or environment contains `text` (the demo's job ranks carry its trace dir)."""
+    found = []
+    needle = text.encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes() or needle in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
