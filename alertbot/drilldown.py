@@ -84,8 +84,12 @@ def _promql_host(host: str) -> str:
 
 
 def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10.0) -> list[str]:
-    """GPU clock events, XID errors and IB error counters on `host` in the last `lookback_s`."""
+    """GPU clock events, XID errors and IB error counters on `host` in the last `lookback_s`.
+
+    Each request waits at most `timeout` seconds and is not retried: a Prometheus that accepts the
+    connection and never answers costs one timeout, and the hint says it could not be asked."""
     from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
+    from urllib3.util.retry import Retry
 
     if not url or not HOST_NAME.fullmatch(host):
         return []
@@ -114,9 +118,9 @@ def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10
     ]
     hints = []
     try:
-        prom = PrometheusConnect(url=url, disable_ssl=True)
+        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout, retry=Retry(total=0, read=False))
         for query, describe in queries:
-            for sample in prom.custom_query(query, params={"timeout": f"{int(timeout)}s"}):
+            for sample in prom.custom_query(query, params={"timeout": f"{max(1, int(timeout))}s"}):
                 hints.append(describe(sample.get("metric", {}), float(sample["value"][1])))
     except (PrometheusApiClientException, OSError, ValueError, KeyError) as exc:
         hints.append(f"Prometheus could not be asked about {host}: {type(exc).__name__}")

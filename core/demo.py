@@ -32,6 +32,7 @@ from megatrace.stack_config import StackConfig
 
 DEMO_SETTINGS = {"scrape_interval": "1s", "time_compression": 20, "state_dir": str(Path("out") / "demo")}
 MARKER = ".megatrace-demo"
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
 DRILLDOWN_TITLE = re.compile(r"DRILL-DOWN (?P<alert>\w+) job (?P<job>\S+): rank (?P<rank>\d+)")
 
 
@@ -147,6 +148,45 @@ def drilldown_rank(message: dict[str, Any]) -> int | None:
     """The rank a drill-down message names first (from its title)."""
     match = DRILLDOWN_TITLE.search(card_text(message))
     return int(match.group("rank")) if match else None
+
+
+def bot_diagnostics(state: Path, now: float | None = None, log_lines: int = 12) -> list[str]:
+    """What the alert bot of the stack in `state` was doing: every drill-down and its state, every
+    message not delivered, and the last warnings and errors of its log. Printed when a step fails."""
+    from megatrace.alertbot.store import Store, StoreError
+
+    now = time.time() if now is None else now
+    lines = []
+    try:
+        store = Store(state / "alertbot.sqlite3", read_only=True)
+    except StoreError as exc:
+        lines.append(f"alert bot database: {exc}")
+    else:
+        try:
+            for row in store.query("SELECT * FROM drilldowns ORDER BY id"):
+                result = json.loads(row["result"] or "{}")
+                outcome = result.get("error") or result.get("verdict") or ""
+                lines.append(
+                    f"drill-down {row['id']} of job {row['job']} ({row['alertname']}): {row['state']}, "
+                    f"requested {now - row['requested_at']:.0f}s ago" + (f"; {outcome}" if outcome else "")
+                )
+            for row in store.query("SELECT * FROM outbox WHERE state != 'sent' ORDER BY id"):
+                lines.append(
+                    f"message {row['id']} ({row['kind']} {row['level']}): {row['state']} after "
+                    f"{row['attempts']} attempt(s)" + (f"; {row['last_error']}" if row["last_error"] else "")
+                )
+        finally:
+            store.close()
+    log = state / "logs" / "alertbot.log"
+    if log.is_file():
+        notable, keep = [], False
+        for line in log.read_text(errors="replace").splitlines():
+            if LOG_RECORD.match(line):  # a continuation line (traceback) belongs to the record above
+                keep = " WARNING " in line or " ERROR " in line
+            if keep:
+                notable.append(line.rstrip())
+        lines += [f"alertbot.log: {line}" for line in notable[-log_lines:]]
+    return lines
 
 
 @contextlib.contextmanager
@@ -311,7 +351,11 @@ def main(config: StackConfig, scenario: Scenario) -> int:
     try:
         outcome = run(config, scenario)
     except (DemoFailed, StackError) as exc:
-        print(f"\nDEMO FAILED: {exc}\nlogs: {Path(config.state_dir) / 'logs'}", file=sys.stderr)
+        state = Path(config.state_dir)
+        print(f"\nDEMO FAILED: {exc}", file=sys.stderr)
+        for line in bot_diagnostics(state):
+            print(f"  {line}", file=sys.stderr)
+        print(f"logs: {state / 'logs'}", file=sys.stderr)
         return 1
     print(f"\ndemo finished in {time.monotonic() - started:.0f}s; artefacts:")
     for what, where in outcome.artefacts.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import sys
 import threading
 import time
@@ -173,6 +174,15 @@ def test_prometheus_hints_for_the_suspect_node(prometheus_with_node: str) -> Non
     assert prometheus_hints(prometheus_with_node, 'x"} or vector(1) #', 300) == []
     unreachable = prometheus_hints(f"http://127.0.0.1:{free_port()}", "127.0.0.1", 300)
     assert unreachable == ["Prometheus could not be asked about 127.0.0.1: ConnectionError"]
+
+
+@pytest.mark.timeout(60)
+def test_prometheus_that_never_answers_costs_one_timeout() -> None:
+    """A Prometheus that accepts connections and never replies must not hold the drill-down."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        hints = prometheus_hints(url, "127.0.0.1", 300, timeout=1.0)
+    assert hints == ["Prometheus could not be asked about 127.0.0.1: ReadTimeout"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import openpyxl
 import pytest
 
 from megatrace.config import load_config
-from megatrace.demo import Scenario, card_text, drilldown_rank, run
+from megatrace.demo import DemoFailed, Scenario, bot_diagnostics, card_text, drilldown_rank, run
 from megatrace.stack import read_state
 from megatrace.stack_config import StackConfig
 from tests.support.services import free_port
@@ -31,7 +31,10 @@ def test_hang_and_slow_rank_are_named_in_delivered_messages(tmp_path: Path) -> N
             "sysfs_root": str(Path(__file__).parents[1] / "fixtures" / "sysfs" / "infiniband"),
         },
     )
-    outcome = run(config, Scenario(seed=7, step_timeout=180), say=lambda line: None)
+    try:
+        outcome = run(config, Scenario(seed=7, step_timeout=180), say=lambda line: None)
+    except DemoFailed as exc:
+        pytest.fail("\n".join([str(exc), *bot_diagnostics(Path(config.state_dir))]))
 
     assert outcome.hang_message["level"] == "P0"
     assert "demo-hang" in card_text(outcome.hang_message)

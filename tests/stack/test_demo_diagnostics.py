@@ -1,0 +1,49 @@
+"""When a demo step fails, the printed diagnostics say what the alert bot was doing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatrace.alertbot.store import Store
+from megatrace.demo import bot_diagnostics
+
+
+def test_diagnostics_name_stuck_drilldowns_undelivered_messages_and_log_errors(tmp_path: Path) -> None:
+    store = Store(tmp_path / "alertbot.sqlite3")
+    hang = store.add_drilldown("demo-hang", "MegatraceRankHang", 1, now=1000.0)
+    store.set_drilldown(hang, state="done", result=json.dumps({"verdict": "hang", "suspects": []}))
+    store.add_drilldown("demo-slow", "MegatraceSlowRank", 2, now=1100.0)
+    sent = {"kind": "firing", "channel": "console", "destination": "-", "level": "P1", "created_at": 1.0}
+    first = store.enqueue(sent | {"idem_key": "a", "not_before": 1.0})
+    store.set_outbox(first, state="sent")
+    failing = store.enqueue(sent | {"kind": "drilldown", "idem_key": "b", "not_before": 1.0})
+    store.set_outbox(failing, attempts=3, last_error="HTTP 502")
+    store.close()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "alertbot.log").write_text(
+        "2026-11-22 03:30:00,353 INFO    megatrace.alertbot.service: listening\n"
+        "2026-11-22 03:31:00,000 ERROR   megatrace.alertbot.drilldown: drill-down 2 failed\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in run\n'
+        "OSError: disk full\n"
+    )
+
+    lines = bot_diagnostics(tmp_path, now=1160.0)
+
+    assert lines[0] == "drill-down 1 of job demo-hang (MegatraceRankHang): done, requested 160s ago; hang"
+    assert lines[1] == "drill-down 2 of job demo-slow (MegatraceSlowRank): pending, requested 60s ago"
+    assert lines[2] == "message 2 (drilldown P1): pending after 3 attempt(s); HTTP 502"
+    assert lines[3].startswith("alertbot.log: ") and "drill-down 2 failed" in lines[3]
+    assert lines[4:6] == [
+        "alertbot.log: Traceback (most recent call last):",
+        'alertbot.log:   File "x.py", line 1, in run',
+    ]
+    assert lines[6] == "alertbot.log: OSError: disk full"
+    assert len(lines) == 7
+
+
+def test_diagnostics_without_a_bot_database_say_so(tmp_path: Path) -> None:
+    assert bot_diagnostics(tmp_path) == [
+        f"alert bot database: {tmp_path / 'alertbot.sqlite3'}: no alert bot database here (store.path)"
+    ]
