@@ -237,7 +237,7 @@ class Pipeline:
         job = json.loads(episode["labels"]).get("job", "")
         if episode["alertname"] not in dd.alerts or not dd.trace_roots or not job:
             return
-        if self.store.recent_drilldown(job, now - dd.rerun_after_s) is None:
+        if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is None:
             self.store.add_drilldown(job, episode["alertname"], episode["id"], now)
 
     # -- webhooks -------------------------------------------------------------------------------

@@ -353,10 +353,11 @@ class Store:
 
     # -- drill-downs --------------------------------------------------------------------------
 
-    def recent_drilldown(self, job: str, since: float) -> sqlite3.Row | None:
+    def recent_drilldown(self, job: str, alertname: str, since: float) -> sqlite3.Row | None:
         return self.one(
-            "SELECT * FROM drilldowns WHERE job = ? AND requested_at >= ? ORDER BY id DESC LIMIT 1",
-            (job, since),
+            "SELECT * FROM drilldowns WHERE job = ? AND alertname = ? AND requested_at >= ? "
+            "ORDER BY id DESC LIMIT 1",
+            (job, alertname, since),
         )
 
     def add_drilldown(self, job: str, alertname: str, episode_id: int, now: float) -> int:

@@ -98,6 +98,22 @@ def test_alert_goes_out_before_the_drilldown_and_the_verdict_follows(tmp_path: P
     runner.shutdown()
 
 
+def test_one_drilldown_per_job_and_alert_within_the_rerun_window(tmp_path: Path) -> None:
+    """Ranks of one hang share a drill-down; a slow rank in the same job later gets its own."""
+    cfg, _ = stub_config(tmp_path, {"verdict": "healthy", "suspects": []})
+    bot = Bot(cfg)
+    bot.receive(webhook(alert(job="llm-7", rank="0"), alert(job="llm-7", rank="1")))
+    bot.receive(webhook(alert("MegatraceSlowRank", severity="P1", job="llm-7", rank="3")))
+    bot.receive(webhook(alert(job="llm-7", rank="2", starts_at=1_790_000_060.0)))
+    bot.receive(webhook(alert(job="llm-8", rank="0")))
+    rows = bot.store.query("SELECT job, alertname FROM drilldowns ORDER BY id")
+    assert [tuple(row) for row in rows] == [
+        ("llm-7", "MegatraceRankHang"),
+        ("llm-7", "MegatraceSlowRank"),
+        ("llm-8", "MegatraceRankHang"),
+    ]
+
+
 def test_failing_analyzer_and_unknown_job_are_reported_not_raised(tmp_path: Path) -> None:
     cfg, gate = stub_config(tmp_path, {"no": "verdict"})
     gate.touch()
