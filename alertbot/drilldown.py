@@ -173,7 +173,13 @@ class DrilldownRunner:
     def run(self, drilldown_id: int) -> None:
         try:
             row = self.store.drilldown(drilldown_id)
-            result = self.investigate(row["job"])
+            try:
+                result = self.investigate(row["job"])
+            except Exception as exc:  # still tell the group, so the alert is not left without an answer
+                log.exception("drill-down %s crashed", drilldown_id)
+                result = {
+                    "error": f"the drill-down crashed ({type(exc).__name__}); the bot's log has the details"
+                }
             self.metrics.drilldowns.labels("error" if "error" in result else "done").inc()
             episode = self.store.episode(row["episode_id"])
             ref_key = f"d{drilldown_id}"

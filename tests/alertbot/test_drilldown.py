@@ -133,6 +133,31 @@ def test_failing_analyzer_and_unknown_job_are_reported_not_raised(tmp_path: Path
     assert bot.metrics.drilldowns.labels("error")._value.get() == 2
 
 
+def test_a_crashing_drilldown_still_answers_the_alert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, _ = stub_config(tmp_path, {"verdict": "healthy", "suspects": []})
+    bot = Bot(cfg)
+    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+
+    def crash(job: str) -> dict:
+        raise KeyError("suspects")
+
+    monkeypatch.setattr(runner, "investigate", crash)
+    bot.receive(webhook(alert(job="llm-7")))
+    (row,) = bot.store.pending_drilldowns()
+    runner.run(row["id"])
+    bot.drain()
+    follow_up = bot.console()[-1]
+    assert follow_up["card"]["header"]["title"]["content"] == (
+        "[P0] DRILL-DOWN MegatraceRankHang job llm-7: drill-down failed"
+    )
+    text = follow_up["card"]["elements"][0]["text"]["content"]
+    assert "the drill-down crashed (KeyError); the bot's log has the details" in text
+    assert bot.store.drilldown(row["id"])["state"] == "done"
+    assert "suspects" not in text
+
+
 class Exposition(http.server.BaseHTTPRequestHandler):
     """Serves GPU and IB series of one node whose XID and link-down counters rise on every scrape."""
 
