@@ -179,12 +179,22 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
     return _Round(late, is_late, judged, local)
 
 
+def _trails_everywhere(m: int, rnd: _Round) -> bool:
+    """A straggler is clearly late in some communicator and arrives after the median, mostly, in every
+    other one: it waits for no one. (Where its call follows another collective with little compute in
+    between, it is late by less than `MIN_REL`, but still late.) A victim arrives early somewhere."""
+    judged = rnd.judged[m]
+    if not judged or not (rnd.is_late[m] & judged):
+        return False
+    late = rnd.late[m]
+    return all(late[c][0] > 0 and late[c][1] >= MIN_PERSISTENCE for c in judged)
+
+
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
     late, judged = rnd.late, rnd.judged
-    rel = min(late[m][c][0] for c in judged[m])
     pers = min(late[m][c][1] for c in judged[m])
     worst = max((late[m][c] for c in judged[m]), key=lambda item: item[0])
-    cl = worst[2]
+    rel, cl = worst[0], worst[2]
     return SlowSuspect(
         m,
         round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
@@ -217,11 +227,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 per_comm[i] = cl
         rnd = _lateness_round(per_comm, hosts)
         first = first or rnd
-        found = [
-            m
-            for m, comms in rnd.late.items()
-            if m not in stragglers and comms and rnd.is_late[m] >= rnd.judged[m]
-        ]
+        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd)]
         if not found:
             break
         stragglers.extend(found)
