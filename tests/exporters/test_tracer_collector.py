@@ -60,7 +60,7 @@ def test_live_rank_counters(tmp_path: Path) -> None:
     recorder.mark_step()
     stuck = recorder.begin(cid, OP_CODES["reduce_scatter"], 512, 1, -1, 0)
     assert stuck
-    recorder.refresh_oldest()  # the watchdog's tick
+    recorder.publish()  # the watchdog's tick
     now = time.time() + 30
 
     text = render(TracerCollector(tmp_path, clock=lambda: now))
@@ -125,10 +125,14 @@ from pathlib import Path
 from megatrace.tracer.ringfile import RankIdentity, RingWriter, ring_path
 identity = RankIdentity("ns-job", 5, 5, 8, "node-b", int(sys.argv[2]), time.time_ns())
 writer = RingWriter(ring_path(Path(sys.argv[1]), 5), identity, capacity=16, comm_table_bytes=4096)
+started_r, started_w = os.pipe()
 child = os.fork() if sys.argv[3] == "fork" else -1
-if child == 0:
+if child == 0:  # fork handlers (the lock's release among them) have run by now
+    os.write(started_w, b"x")
     time.sleep(600)
     os._exit(0)
+if child > 0:
+    os.read(started_r, 1)
 print("ready", child, flush=True)
 time.sleep(600)
 """
