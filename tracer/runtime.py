@@ -166,6 +166,7 @@ class Tracer:
         if self._step_hook is not None:
             self._step_hook.remove()
         if self.recorder is not None:
+            self.recorder.publish()
             self.recorder.writer.close()
         self.recorder = None
 

@@ -100,7 +100,7 @@ class Watchdog:
                 break
             if ready and self._signalled():
                 self.dump("signal")
-            self.recorder.refresh_oldest()
+            self.recorder.publish()
             stalled = is_stalled(self.writer.header, time.time_ns(), self.stall_ns)
             if stalled and not in_stall:
                 self.dump("stall")
@@ -117,7 +117,7 @@ class Watchdog:
         """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
         with self._dump_lock:
             try:
-                self.recorder.refresh_oldest()
+                self.recorder.publish()
                 snapshot = read_ring(self.writer.path)
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)

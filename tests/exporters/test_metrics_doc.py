@@ -30,6 +30,7 @@ def everything_exported(tmp_path: Path) -> set[str]:
     recorder = Recorder(writer, 0)
     recorder.end(recorder.begin(comm_id((0,)), OP_CODES["all_reduce"], 1024, 1, -1, 0))
     recorder.mark_step()
+    recorder.publish()
     gpu = FakeGpu(uuid="GPU-1", nvlinks=[1], remapped_rows=(1, 0, 0, 0))
     nvml = FakeNvml([gpu])
     gpu_collector = GpuCollector(nvml, pods=lambda: {"GPU-1": ("ns", "pod", "c")}, xid_wait_ms=20)

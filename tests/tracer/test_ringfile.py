@@ -54,7 +54,7 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     second = rec.begin(cid, OP_CODES["all_gather"], 32, DTYPE_CODES["bfloat16"], -1, FLAG_ASYNC)
     rec.mark_step()
     send = rec.begin(cid, OP_CODES["send"], 8, DTYPE_CODES["int64"], 1, 0)
-    rec.refresh_oldest()  # the watchdog's job, every tick
+    rec.publish()  # the watchdog's job, every tick
 
     snap = read_ring(tmp_path / "job" / "rank-3.trace")
     h = snap.header
@@ -82,11 +82,11 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     assert all(r["comm_id"] == cid)
 
     rec.end(second)
-    rec.refresh_oldest()
+    rec.publish()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert h.oldest_inflight_op == "send"
     rec.end(send)
-    rec.refresh_oldest()
+    rec.publish()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert (h.oldest_inflight_op, h.oldest_inflight_enqueue_ns) == ("", 0)
 
@@ -96,6 +96,7 @@ def test_ring_wraps_and_keeps_newest_in_order(tmp_path: Path) -> None:
     rec = Recorder(writer, rank=3)
     for _ in range(12):
         rec.end(rec.begin(7, OP_CODES["broadcast"], 4, 1, -1, 0))
+    rec.publish()
     snap = read_ring(writer.path)
     assert list(snap.records["serial"]) == [8, 9, 10, 11, 12]
     assert list(snap.records["seq"]) == [7, 8, 9, 10, 11]

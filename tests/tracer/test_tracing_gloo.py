@@ -121,9 +121,18 @@ def test_live_counters_signal_dump_and_killed_rank_leave_readable_files(tmp_path
     with start_traced_job(tmp_path, steps=100000, env={"MEGATRACE_TRACE_STALL_MS": "60000"}) as (proc, job):
         paths = [job / f"rank-{rank}.trace" for rank in range(4)]
         wait_for(lambda: all(p.exists() for p in paths), what="ring files")
-        first = wait_for(lambda: (h := read_header(paths[3])).step_count >= 2 and h, what="two steps")
+        # the header's call counters are published by the watchdog's tick (every 250 ms at most)
+        first = wait_for(
+            lambda: (h := read_header(paths[3])).step_count >= 2 and h.calls_by_op["all_reduce"] and h,
+            what="two steps, published",
+        )
         later = wait_for(
-            lambda: (h := read_header(paths[3])).step_count > first.step_count + 2 and h, what="more steps"
+            lambda: (
+                (h := read_header(paths[3])).step_count > first.step_count + 2
+                and h.wait_ns_total > first.wait_ns_total
+                and h
+            ),
+            what="more steps, published",
         )
         assert proc.poll() is None and not later.finished
         assert later.calls_by_op["all_reduce"] > first.calls_by_op["all_reduce"]
