@@ -214,6 +214,7 @@ def write_ranks(trace_dir: Path, job: str, world_size: int) -> list[RingWriter]:
         for _ in range(3):
             recorder.end(recorder.begin(group, OP_CODES["all_reduce"], 1 << 20, 1, -1, 0))
             recorder.mark_step()
+        recorder.publish()  # the watchdog's tick
         writers.append(writer)
     return writers
 

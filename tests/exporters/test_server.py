@@ -150,6 +150,7 @@ def live_rank(trace_dir: Path, job: str, rank: int) -> RingWriter:
     writer = RingWriter(ring_path(trace_dir / job, rank), identity, capacity=16, comm_table_bytes=4096)
     recorder = Recorder(writer, rank)
     recorder.end(recorder.begin(comm_id((0, 1)), OP_CODES["all_reduce"], 1024, 1, -1, 0))
+    recorder.publish()  # the watchdog's tick
     return writer
 
 
