@@ -188,11 +188,13 @@ class Delivery:
         attempted = 0
         for row in self.store.due_outbox(time.time() if now is None else now, limit, only):
             current = time.time() if now is None else now
-            wait = self.limiter.acquire(self.limits(row), current)
+            limits = self.limits(row)
+            wait = self.limiter.acquire(limits, current)
             if wait > 0:
                 self.store.set_outbox(row["id"], not_before=current + wait)
                 continue
             self.attempt(row, current)
+            self.limiter.settle(limits, current, time.time() if now is None else current)
             attempted += 1
         return attempted
 

@@ -1,5 +1,9 @@
 """Per-destination rate limits (Feishu: 5/s and 100/min per group bot; app limits) as sliding windows,
-so no window of that length ever holds more requests than allowed."""
+so no window of that length ever holds more requests than allowed.
+
+A request is counted from the moment its slot is taken, and `settle` moves it to the moment its reply
+came back: Feishu counts a request when it arrives, which is somewhere in between, so a request
+slowed on its way out (a loaded host) cannot squeeze one more into Feishu's window."""
 
 from __future__ import annotations
 
@@ -32,3 +36,19 @@ class RateLimiter:
             for sent in windows:
                 sent.append(now)
             return 0.0
+
+    def settle(self, limits: list[tuple[str, float, float]], taken: float, done: float) -> None:
+        """Count the request whose slot was taken at `taken` as made at `done` (when it finished)."""
+        with self._lock:
+            for name, _requests, per in limits:
+                sent = self._sent.get((name, per))
+                if not sent:
+                    continue
+                for index in range(len(sent) - 1, -1, -1):
+                    if sent[index] == taken:
+                        sent[index] = max(done, taken)
+                        break
+                if any(a > b for a, b in zip(sent, list(sent)[1:], strict=False)):
+                    ordered = sorted(sent)
+                    sent.clear()
+                    sent.extend(ordered)
