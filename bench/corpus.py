@@ -1,0 +1,132 @@
+"""Record the analyzer's corpus of real runs: Megatron-style gloo jobs with injected faults, each labelled.
+
+Usage: python bench/corpus.py --out DIR [--runs 154] [--seed 20261123] [--only CLASS]
+
+Every run is `tests/support/megatron_job.py` under ``megatrace trace`` (our ring files and stall dumps
+in ``RUN/trace/<run>``) with torch's Flight Recorder on (``RUN/fr``), and ``RUN/label.json`` says what
+was injected where. Runs already recorded are kept, so an interrupted recording resumes; delete the
+folder to record anew (after the tracer's capture changes, say). The plan of runs comes from the seed
+alone (committed before the first scoring): fault classes in turn, layouts, ranks, steps and
+slowdowns drawn at random. 10 % slowdowns run on 4–8 ranks: on 2 cores more ranks bury them in
+scheduling noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SEED = 20261123
+CLASSES = ("none", "hang-compute", "hang-collective", "hang-p2p", "slow-compute", "slow-comm", "slow-loader")
+# (world, tp, pp, virtual, zero): DP only; TP x DP; TP x PP x DP with 1F1B; interleaved; ZeRO; deep PP
+LAYOUTS = [
+    (4, 1, 1, 1, False),
+    (4, 2, 1, 1, False),
+    (8, 2, 2, 1, False),
+    (8, 2, 2, 2, False),
+    (8, 1, 2, 1, True),
+    (8, 2, 4, 1, False),
+    (4, 1, 4, 2, False),
+    (16, 2, 2, 1, False),
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Run:
+    """One planned run: its layout and the fault it carries."""
+
+    name: str
+    world: int
+    tp: int
+    pp: int
+    virtual: int
+    zero: bool
+    fault: str
+    rank: int
+    factor: float
+    fault_step: int
+    steps: int
+
+
+def plan(runs: int, seed: int = SEED) -> list[Run]:
+    """The runs of the corpus, from the seed alone."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(runs):
+        fault = CLASSES[i % len(CLASSES)]
+        choices = LAYOUTS if fault.startswith("hang") or fault == "none" else LAYOUTS[:-1]
+        if fault == "hang-p2p":
+            choices = [layout for layout in choices if layout[2] > 1]
+        world, tp, pp, virtual, zero = rng.choice(choices)
+        factor = 0.0
+        if fault.startswith("slow"):
+            factor = round(rng.choice([0.1, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 3.0]), 2)
+            if factor <= 0.1 and world > 8:
+                world, tp, pp, virtual, zero = LAYOUTS[2]
+        steps = 5
+        rank = rng.randrange(world) if fault != "none" else -1
+        fault_step = rng.randrange(1, steps - 2)
+        out.append(
+            Run(f"{i:03d}-{fault}", world, tp, pp, virtual, zero, fault, rank, factor, fault_step, steps)
+        )
+    return out
+
+
+def record(run: Run, out: Path) -> float:
+    """Record one run under `out`/`run.name`; returns the seconds it took (0 when already there)."""
+    folder = out / run.name
+    if (folder / "done").exists():
+        return 0.0
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    job = [
+        sys.executable, "-m", "tests.support.megatron_job",
+        f"--world={run.world}", f"--tp={run.tp}", f"--pp={run.pp}", f"--virtual={run.virtual}",
+        f"--steps={run.steps}", f"--fault={run.fault}", f"--fault-rank={run.rank}",
+        f"--fault-step={run.fault_step}", f"--factor={run.factor}", f"--out={folder}",
+        *(["--zero"] if run.zero else []),
+    ]  # fmt: skip
+    argv = [
+        sys.executable, "-m", "megatrace.cli", "trace", f"--trace-dir={folder / 'trace'}",
+        f"--job={run.name}", "--stall-ms=1500", "--", *job,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    with open(folder / "job.log", "wb") as log:
+        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    (folder / "done").write_text(json.dumps({"exit": code, "seconds": round(time.monotonic() - start, 1)}))
+    (folder / "plan.json").write_text(json.dumps(asdict(run)))
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, type=Path, help="corpus folder")
+    parser.add_argument("--runs", type=int, default=154, help="runs to plan (22 per class)")
+    parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--only", choices=CLASSES, help="record only runs of this class")
+    args = parser.parse_args(argv)
+    runs = [r for r in plan(args.runs, args.seed) if args.only in (None, r.fault)]
+    for i, run in enumerate(runs, 1):
+        took = record(run, args.out)
+        print(
+            f"[{i}/{len(runs)}] {run.name} world {run.world} tp {run.tp} pp {run.pp}: {took:.0f} s",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
