@@ -1,21 +1,34 @@
-"""Reader for PyTorch Flight Recorder dumps (ProcessGroupNCCL trace buffer, pickle or JSON, version 2.x).
+"""Reader for PyTorch Flight Recorder dumps, pickle or JSON, as torch writes them (format 2.x).
 
-Collectives match across ranks by (process group, ``collective_seq_id``); sends and receives by
-their directed channel and order. The entry ``state`` gives completion: ``completed`` entries get
-their discovered completion time (or the creation time when none was recorded).
+Facts this relies on (checked on dumps torch 2.13 wrote from gloo jobs, and torch's NCCL format):
+- one dump per rank, with no rank field in it: the rank is the number the file name ends with;
+- ``process_group`` is ``(name, desc)``; the name is global (``"0"`` the default group, then one per
+  ``new_group`` in creation order, the same on every rank), while ``pg_id`` is a per-rank index;
+- ``pg_config`` gives each group's ranks on NCCL, and is one empty entry on gloo: there the members
+  of a group are the ranks whose dumps hold its entries (the default group: every rank);
+- ``collective_seq_id`` numbers a group's collectives the same on every member; sends and receives
+  (``nccl:send 1->2``, group ranks) are matched by their directed channel and order;
+- ``state`` says ``completed`` with ``time_discovered_completed_ns`` on NCCL; on gloo every entry stays
+  ``scheduled``, and completion is told by ``pg_status[pg_id].last_completed_collective`` (a string in
+  JSON), so a collective past it was still in flight when the dump was taken.
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import json
 import pickle
 import re
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.reader import Parsed, Reader
 from megatrace.analyzer.table import OP_CODE, RankCalls, RankInfo, empty_columns
 
 
@@ -23,9 +36,10 @@ class FlightRecorderError(ValueError):
     """A file that is not a usable Flight Recorder dump."""
 
 
-_P2P = re.compile(r"nccl:(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
+_P2P = re.compile(r":(send|recv)\s+(\d+)\s*(->|<-)\s*(\d+)")
 _RANK_IN_NAME = re.compile(r"(\d+)(?:\.\w+)?$")
 _DTYPE_BYTES = {"Float": 4, "Half": 2, "BFloat16": 2, "Double": 8, "Long": 8, "Int": 4, "Byte": 1, "Char": 1}
+DEFAULT_GROUP = "0"
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -35,12 +49,19 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a trace dump")
 
 
+@dataclass
+class FlightRecorderDump:
+    """One rank's parsed dump."""
+
+    path: str
+    rank: int
+    data: dict
+
+
 def load_dump(raw: bytes) -> dict:
     if raw[:1] in (b"{", b" ", b"\n"):
         data = json.loads(raw.decode("utf-8"))
     else:
-        import io
-
         data = _SafeUnpickler(io.BytesIO(raw)).load()
     if not isinstance(data, dict) or "entries" not in data or "version" not in data:
         raise FlightRecorderError("not a Flight Recorder dump (no 'version'/'entries')")
@@ -51,6 +72,16 @@ def looks_like_flight_recorder(head: bytes) -> bool:
     return head[:1] == b"\x80" or (
         (head.lstrip()[:1] == b"{" and b'"entries"' in head) or b'"version"' in head
     )
+
+
+def read_dump(path: Path) -> FlightRecorderDump:
+    """Parse one dump; the rank is the dump's own ``rank`` where present, else the file name's number."""
+    data = load_dump(path.read_bytes())
+    match = _RANK_IN_NAME.search(path.name)
+    rank = data.get("rank", match.group(1) if match else None)
+    if rank is None:
+        raise FlightRecorderError("no rank: the file name does not end with the rank number")
+    return FlightRecorderDump(str(path), int(rank), data)
 
 
 def _ranks(value: Any) -> tuple[int, ...]:
@@ -77,19 +108,63 @@ def _nbytes(entry: dict) -> int:
     return total
 
 
-def flight_recorder_calls(data: dict, path: str) -> RankCalls:
-    """One rank's calls from a parsed dump."""
-    match = _RANK_IN_NAME.search(Path(path).name)
-    rank = int(data.get("rank", match.group(1) if match else -1))
-    pg_ranks = {str(k): _ranks(v.get("ranks")) for k, v in (data.get("pg_config") or {}).items()}
-    entries = sorted(data.get("entries") or [], key=lambda e: e.get("record_id", 0))
+def _group_name(entry: dict) -> str:
+    group = entry.get("process_group")
+    if isinstance(group, list | tuple) and group:
+        return str(group[0])
+    return str(entry.get("pg_id", DEFAULT_GROUP))
+
+
+def _configured_members(dump: FlightRecorderDump) -> dict[str, tuple[int, ...]]:
+    """Group name -> ranks, from ``pg_config`` where torch filled it in (NCCL)."""
+    out = {}
+    for key, config in (dump.data.get("pg_config") or {}).items():
+        if not isinstance(config, dict):
+            continue
+        ranks = _ranks(config.get("ranks"))
+        if ranks:
+            out[str(config.get("name") or key)] = ranks
+    return out
+
+
+def group_members(dumps: list[FlightRecorderDump], layout: Layout | None) -> dict[str, tuple[int, ...]]:
+    """Every group's members: configured where the dumps say, else the ranks whose dumps use it."""
+    members: dict[str, set[int]] = defaultdict(set)
+    configured: dict[str, tuple[int, ...]] = {}
+    for dump in dumps:
+        configured.update(_configured_members(dump))
+        for entry in dump.data.get("entries") or []:
+            members[_group_name(entry)].add(dump.rank)
+    world = max([d.rank for d in dumps] + [layout.world_size - 1 if layout else -1]) + 1
+    out = {name: tuple(sorted(ranks)) for name, ranks in members.items()}
+    out[DEFAULT_GROUP] = tuple(range(world))
+    out.update(configured)
+    return out
+
+
+def _completed_through(dump: FlightRecorderDump) -> dict[str, int]:
+    """pg_id (as text) -> the last collective sequence number completed, from ``pg_status``."""
+    out = {}
+    for key, status in (dump.data.get("pg_status") or {}).items():
+        try:
+            out[str(key)] = int(status.get("last_completed_collective", -1))
+        except (TypeError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]]) -> RankCalls:
+    """One rank's calls from its parsed dump, communicators keyed by the global group name."""
+    rank = dump.rank
+    entries = sorted(dump.data.get("entries") or [], key=lambda e: e.get("record_id", 0))
+    completed_through = _completed_through(dump)
     comms: list[tuple[object, tuple[int, ...], bool]] = []
     index: dict[object, int] = {}
     p2p_count: dict[object, int] = {}
     rows = []
     for entry in entries:
-        pg = str(entry.get("pg_id", (entry.get("process_group") or ["0"])[0]))
-        members = pg_ranks.get(pg, ())
+        pg = _group_name(entry)
+        members = members_of.get(pg, ())
         name = entry.get("profiling_name", "")
         p2p = _P2P.search(name)
         if p2p:
@@ -105,7 +180,7 @@ def flight_recorder_calls(data: dict, path: str) -> RankCalls:
             p2p_count[key] = seq + 1
             comm_members, is_p2p, peer = tuple(sorted({src, dst})), True, (dst if kind == "send" else src)
         else:
-            key = ("pg", pg, members)
+            key = ("pg", pg)
             seq = int(entry.get("collective_seq_id", 0))
             comm_members, is_p2p, peer = members, False, -1
         if key not in index:
@@ -115,15 +190,30 @@ def flight_recorder_calls(data: dict, path: str) -> RankCalls:
         done = 0
         if entry.get("state") == "completed":
             done = int(entry.get("time_discovered_completed_ns") or 0) or created
+        elif not is_p2p and seq <= completed_through.get(str(entry.get("pg_id")), -1):
+            done = created  # completed (pg_status says so); torch keeps no time for it
         rows.append((index[key], seq, _op(name), _nbytes(entry), created, done, peer))
     cols = empty_columns(len(rows))
     if rows:
         arr = np.array(rows, dtype=np.int64)
-        for j, name in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns", "peer")):
-            cols[name][:] = arr[:, j]
+        for j, col in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns", "peer")):
+            cols[col][:] = arr[:, j]
     cols["rank"][:] = rank
     observed = int(max((r[4] for r in rows), default=0))
     info = RankInfo(
-        rank=rank, source=path, fmt="flight-recorder", has_completion=True, observed_until_ns=observed
+        rank=rank, source=dump.path, fmt="flight-recorder", has_completion=True, observed_until_ns=observed
     )
     return RankCalls(rank, cols, comms, info)
+
+
+def flight_recorder_calls(dumps: list[FlightRecorderDump], layout: Layout | None = None) -> list[RankCalls]:
+    """Every dump's calls, with group memberships resolved across all the dumps."""
+    members = group_members(dumps, layout)
+    return [dump_calls(dump, members) for dump in dumps]
+
+
+def _parse(path: Path) -> Parsed:
+    return Parsed(read_dump(path))
+
+
+READER = Reader("flight-recorder", 1, looks_like_flight_recorder, _parse, flight_recorder_calls)

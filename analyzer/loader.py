@@ -8,20 +8,17 @@ readable files are counted per file. Nothing here raises for bad input.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrace.analyzer.flight_recorder import flight_recorder_calls, load_dump, looks_like_flight_recorder
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
-from megatrace.analyzer.nccl_comms import nccl_rank_calls
-from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
 from megatrace.analyzer.progress import Progress
+from megatrace.analyzer.reader import Reader, ReaderError
+from megatrace.analyzer.readers import READERS, detect
 from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
-from megatrace.analyzer.tracer_files import read_ring_file, snapshot_calls
-from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
-from megatrace.tracer.ringfile import MAGIC
 
-PRIORITY = {"ring": 3, "dump": 2, "flight-recorder": 1, "nccl-log": 1}
+HEAD_BYTES = 4096
 
 
 @dataclass
@@ -45,62 +42,75 @@ class LoadReport:
 
 
 def find_files(paths: list[str | Path], report: LoadReport) -> list[Path]:
-    """Every regular file under `paths` (directories are walked), sorted; missing paths are reported."""
+    """Every regular file under `paths` (directories are walked), sorted; missing paths and anything
+    that is not a regular file (a FIFO, a socket, a device: reading one could block) are reported."""
     found: list[Path] = []
     for item in paths:
         path = Path(item)
         if path.is_dir():
             for root, _dirs, names in os.walk(path):
-                found.extend(Path(root) / name for name in names if not name.startswith("."))
-        elif path.is_file():
-            found.append(path)
+                for name in names:
+                    if name.startswith("."):
+                        continue
+                    full = Path(root) / name
+                    if _regular(full, report):
+                        found.append(full)
+        elif path.exists():
+            if _regular(path, report):
+                found.append(path)
         else:
             report.ignored[str(path)] = "no such file or directory"
     return sorted(set(found))
 
 
-def detect(head: bytes) -> str | None:
-    if head.startswith(MAGIC):
-        return "ring"
-    if head.startswith(DUMP_MAGIC.encode()):
-        return "dump"
-    if looks_like_nccl_log(head):
-        return "nccl-log"
-    if looks_like_flight_recorder(head):
-        return "flight-recorder"
-    return None
-
-
-def _read_one(path: Path, report: LoadReport) -> tuple[str, object] | None:
+def _regular(path: Path, report: LoadReport) -> bool:
     try:
-        with open(path, "rb") as handle:
-            head = handle.read(4096)
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        report.ignored[str(path)] = f"cannot read: {exc.strerror or exc}"
+        return False
+    if not stat.S_ISREG(mode):
+        report.ignored[str(path)] = "not a regular file"
+        return False
+    return True
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of a regular file, opened without blocking (it may have become a FIFO since)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(0, "not a regular file")
+        return os.read(fd, HEAD_BYTES)
+    finally:
+        os.close(fd)
+
+
+def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
+    try:
+        head = _head(path)
     except OSError as exc:
         report.ignored[str(path)] = f"cannot read: {exc.strerror or exc}"
         return None
     if not head.strip():
         report.ignored[str(path)] = "empty file"
         return None
-    fmt = detect(head)
-    if fmt is None:
+    reader = detect(head)
+    if reader is None:
         report.ignored[str(path)] = "unknown format"
         return None
     try:
-        if fmt == "ring":
-            return fmt, snapshot_calls(read_ring_file(path), str(path), fmt)
-        if fmt == "dump":
-            return fmt, snapshot_calls(read_dump(path), str(path), fmt)
-        raw = path.read_bytes()
-        if fmt == "nccl-log":
-            log = parse_nccl_bytes(raw, str(path))
-            if log.rank < 0 or not len(log.enqueue_ns):
-                report.ignored[str(path)] = f"no readable NCCL log lines ({log.skipped} skipped)"
-                return None
-            return fmt, log
-        return fmt, flight_recorder_calls(load_dump(raw), str(path))
-    except Exception as exc:  # any reader failure is one ignored file, never a failed run
-        report.ignored[str(path)] = f"unreadable {fmt}: {exc}"
+        parsed = reader.parse(path)
+    except ReaderError as exc:
+        report.ignored[str(path)] = str(exc)
         return None
+    except Exception as exc:  # any reader failure is one ignored file, never a failed run
+        report.ignored[str(path)] = f"unreadable {reader.name}: {exc}"
+        return None
+    if parsed.skipped:
+        report.lines_skipped[str(path)] = parsed.skipped
+    report.duplicates_dropped += parsed.duplicates
+    return reader, parsed.item
 
 
 def load(
@@ -114,28 +124,23 @@ def load(
     report = LoadReport()
     files = find_files(paths, report)
     bar = Progress(len(files), "loading traces", progress)
-    by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
-    nccl_logs: list[NcclRankLog] = []
+    parsed: dict[str, list[object]] = {}
     for path in files:
         got = _read_one(path, report)
         bar.advance()
         if got is None:
             continue
-        fmt, item = got
-        report.files_by_format[fmt] = report.files_by_format.get(fmt, 0) + 1
-        if isinstance(item, NcclRankLog):
-            if item.skipped:
-                report.lines_skipped[str(path)] = item.skipped
-            report.duplicates_dropped += item.duplicates
-            nccl_logs.append(item)
-            continue
-        _keep_best(by_rank, fmt, item, report)
+        reader, item = got
+        report.files_by_format[reader.name] = report.files_by_format.get(reader.name, 0) + 1
+        parsed.setdefault(reader.name, []).append(item)
     bar.close()
     if isinstance(layout, LayoutConfig):
-        seen = [*by_rank, *(log.rank for log in nccl_logs)]
+        seen = [_rank_of(item) for items in parsed.values() for item in items]
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
-    for calls in nccl_rank_calls(nccl_logs, layout):
-        _keep_best(by_rank, "nccl-log", calls, report)
+    by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
+    for name, items in parsed.items():
+        for calls in READERS[name].resolve(items, layout):
+            _keep_best(by_rank, name, calls, report)
     builder = TableBuilder()
     for rank in sorted(by_rank):
         calls = by_rank[rank][3]
@@ -144,10 +149,14 @@ def load(
     return builder.build(), report
 
 
+def _rank_of(item: object) -> int:
+    return int(getattr(item, "rank", -1))
+
+
 def _keep_best(by_rank: dict, fmt: str, calls: RankCalls, report: LoadReport) -> None:
     """Keep one source per rank: the live ring over dumps, the newest dump over older ones."""
     rank = calls.rank
-    score = (PRIORITY[fmt], calls.info.observed_until_ns)
+    score = (READERS[fmt].priority, calls.info.observed_until_ns)
     current = by_rank.get(rank)
     if current is None or score > current[:2]:
         if current is not None:

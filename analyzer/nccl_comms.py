@@ -12,11 +12,13 @@ they stay one merged group, which still lets the detectors find the rank behind 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import numpy as np
 
 from megatrace.analyzer.layout import DIMS, Layout
-from megatrace.analyzer.nccl_log import NcclRankLog
+from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
+from megatrace.analyzer.reader import Parsed, Reader, ReaderError
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
 
 P2P_SIGNATURE = 255  # op of a send/receive stream's signature
@@ -81,6 +83,69 @@ def _assign_groups(
     return out
 
 
+TIMING_SAMPLES = 32
+TIMING_NEIGHBOURS = 64
+TIMING_LINK = 0.3  # ranks call the same collective within this share of the mean call interval
+
+
+def _split_by_timing(
+    sig: tuple[int, int], logs: list[NcclRankLog], local: dict, class_of: dict
+) -> list[tuple[int, ...]]:
+    """Split the ranks sharing a call signature into communicators by when they make the same calls.
+
+    Members of one communicator issue its n-th call together (a collective holds them together), while
+    parallel groups of the same kind drift apart (other stages, other timing). At up to 32 sequence
+    numbers most ranks share, ranks whose median time difference is under 0.3 of the mean interval
+    between calls are linked; the groups are the linked components. Ranks are compared with their 64
+    nearest in time, so thousands of ranks cost little. Sends and receives, and classes too short to
+    judge, stay one group.
+    """
+    series = {}
+    for (i, _stream), rows in local.items():
+        if class_of[(i, _stream)] == sig:
+            log = logs[i]
+            series[log.rank] = (log.op_count[rows], log.enqueue_ns[rows])
+    ranks = sorted(series)
+    if sig[0] == P2P_SIGNATURE or len(ranks) < 3:
+        return [tuple(ranks)]
+    lo = max(int(counts.min()) for counts, _t in series.values())
+    hi = min(int(counts.max()) for counts, _t in series.values())
+    if hi - lo < 4:
+        return [tuple(ranks)]
+    picks = np.unique(np.linspace(lo, hi, TIMING_SAMPLES).astype(np.int64))
+    times = np.full((len(ranks), len(picks)), np.nan)
+    spans = []
+    for j, rank in enumerate(ranks):
+        counts, enq = series[rank]
+        order = np.argsort(counts, kind="stable")
+        counts, enq = counts[order], enq[order]
+        at = np.searchsorted(counts, picks)
+        found = (at < len(counts)) & (counts[np.minimum(at, len(counts) - 1)] == picks)
+        times[j, found] = enq[at[found]]
+        if len(enq) > 1:
+            spans.append((float(enq.max()) - float(enq.min())) / (len(enq) - 1))
+    link = TIMING_LINK * float(np.median(spans)) if spans else 0.0
+    parent = list(range(len(ranks)))
+
+    def root(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    middle = times[:, len(picks) // 2]
+    order = np.argsort(np.where(np.isnan(middle), np.inf, middle), kind="stable")
+    for pos, a in enumerate(order.tolist()):
+        for b in order[pos + 1 : pos + 1 + TIMING_NEIGHBOURS].tolist():
+            diff = np.abs(times[a] - times[b])
+            if np.isfinite(diff).any() and float(np.nanmedian(diff)) < link:
+                parent[root(a)] = root(b)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for j, rank in enumerate(ranks):
+        groups[root(j)].append(rank)
+    return sorted(tuple(g) for g in groups.values())
+
+
 def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -> tuple[int, ...]:
     """The two neighbouring stages a send/receive stream connects, out of the rank's pipeline group.
 
@@ -138,7 +203,10 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
         for full in collective_hashes:
             hashed_members[full] = set(_layout_group(hashed_members[full], layout))
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
-    for sig, groups in _assign_groups(classes, calls, layout).items():
+    assigned = _assign_groups(classes, calls, layout)
+    if layout is None:
+        assigned = {sig: _split_by_timing(sig, logs, local, class_of) for sig in classes}
+    for sig, groups in assigned.items():
         for group in groups:
             for rank in group:
                 group_of[(sig, rank)] = group
@@ -183,4 +251,11 @@ def _all_p2p(ops: np.ndarray) -> bool:
     return bool(len(ops)) and bool(np.isin(ops, list(P2P_OPS)).all())
 
 
-__all__ = ["OP_CODE", "nccl_rank_calls"]
+def _parse(path: Path) -> Parsed:
+    log = parse_nccl_bytes(path.read_bytes(), str(path))
+    if log.rank < 0 or not len(log.enqueue_ns):
+        raise ReaderError(f"no readable NCCL log lines ({log.skipped} skipped)")
+    return Parsed(log, log.skipped, log.duplicates)
+
+
+READER = Reader("nccl-log", 1, looks_like_nccl_log, _parse, nccl_rank_calls)

@@ -8,9 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from megatrace.analyzer.reader import Parsed, Reader, each_alone
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
+from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
 from megatrace.tracer.ringfile import (
     HEADER_SIZE,
+    MAGIC,
     OP_NAMES,
     RECORD_DTYPE,
     W_CAPACITY,
@@ -111,3 +114,15 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
         observed_until_ns=snapshot.taken_ns,
     )
     return RankCalls(rank, cols, comms, info)
+
+
+def _parse_ring(path: Path) -> Parsed:
+    return Parsed(snapshot_calls(read_ring_file(path), str(path), "ring"))
+
+
+def _parse_dump(path: Path) -> Parsed:
+    return Parsed(snapshot_calls(read_dump(path), str(path), "dump"))
+
+
+RING = Reader("ring", 3, lambda head: head.startswith(MAGIC), _parse_ring, each_alone)
+DUMP = Reader("dump", 2, lambda head: head.startswith(DUMP_MAGIC.encode()), _parse_dump, each_alone)

@@ -1,0 +1,44 @@
+"""What one trace format provides the loader: recognise a file, parse it, turn all parsed files into calls.
+
+Each format module defines one `Reader`; `megatrace.analyzer.readers.READERS` lists them. A format
+whose files must be read together (communicators matched across ranks) does that in `resolve`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.table import RankCalls
+
+
+class ReaderError(ValueError):
+    """A file of a known format that holds nothing usable; the message says why."""
+
+
+@dataclass
+class Parsed:
+    """One parsed file: the format's own object, and how many lines were skipped or duplicated."""
+
+    item: Any
+    skipped: int = 0
+    duplicates: int = 0
+
+
+@dataclass(frozen=True)
+class Reader:
+    """One trace format. `priority` decides which file wins when two hold the same rank (higher wins)."""
+
+    name: str
+    priority: int
+    detect: Callable[[bytes], bool]
+    parse: Callable[[Path], Parsed]
+    resolve: Callable[[list[Any], Layout | None], list[RankCalls]]
+
+
+def each_alone(items: list[RankCalls], _layout: Layout | None) -> list[RankCalls]:
+    """`resolve` for formats whose files are complete on their own."""
+    return items
