@@ -28,6 +28,9 @@ class HangSuspect:
     cause: str  # "rank_missing" | "communication_stuck" | "deadlock" | "no_log"
     waited_by: list[int] = field(default_factory=list)
     group: tuple[int, ...] = ()  # the communicator's members, for a stuck communication
+    # enqueue-only logs that end with the suspect one call behind, right where every log ends: a hang
+    # there cannot be told from logs cut at that moment; it yields to a slow rank found in the same logs
+    tentative: bool = False
 
 
 @dataclass
@@ -171,10 +174,12 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         op = OPS[_op_at(table, waiters[0], comm, seq)]
         age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
         waited = f" for {age:.1f} s" if age else ""
+        tentative = False
         if target not in ranks_present:
             cause, what = "no_log", f"rank {target} left no trace log"
         else:
             cause, what = "rank_missing", f"rank {target} never issued {op} #{seq} on {_label(table, comm)}"
+            tentative = _cut_at_the_end(table, target, waiters, comm, seq, members_last)
         suspects.append(
             HangSuspect(
                 target,
@@ -187,9 +192,16 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                 )
                 if cause == "rank_missing"
                 else 0.7,
-                f"{what}; {len(waiters)} peer(s) have waited in it{waited} (first: rank {min(waiters)}).",
+                f"{what}; {len(waiters)} peer(s) have waited in it{waited} (first: rank {min(waiters)})."
+                + (
+                    " It is one call behind exactly where every log ends, so logs cut at that moment "
+                    "would look the same."
+                    if tentative
+                    else ""
+                ),
                 cause,
                 sorted(waiters),
+                tentative=tentative,
             )
         )
     for (comm, seq), ranks in stuck_comms.items():
@@ -214,6 +226,30 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
     return HangResult(suspects, victims, blocked, notes)
+
+
+def _cut_at_the_end(
+    table: TraceTable, target: int, waiters: list[int], comm: int, seq: int, members_last: dict
+) -> bool:
+    """Enqueue-only logs where `target` is exactly one call behind on `comm`, every waiter logged that
+    call as its very last record, and `target` fell silent no more than a few of its usual gaps before
+    the waiters entered it: nothing shows that anybody waited."""
+    info = table.ranks.get(target)
+    if info is None or info.has_completion or members_last.get(comm, {}).get(target, -1) != seq - 1:
+        return False
+    lo, hi = table.rank_span(target)
+    times = np.sort(table["enqueue_ns"][lo:hi])
+    if len(times) < 3:
+        return False
+    gap = float(np.median(np.diff(times))) or 1.0
+    entered = 0
+    for w in waiters:
+        wlo, whi = table.rank_span(w)
+        row = _find(table, w, comm, seq)
+        if row < 0 or int(table["enqueue_ns"][row]) != int(table["enqueue_ns"][wlo:whi].max()):
+            return False
+        entered = max(entered, int(table["enqueue_ns"][row]))
+    return entered - int(times[-1]) <= 3 * gap
 
 
 def _deadlock(table: TraceTable, waits: dict[int, set[int]], blocked: dict) -> list[HangSuspect]:

@@ -20,7 +20,12 @@ def build_report(
 ) -> dict:
     hosts = rank_hosts(table, layout) if table.world_size else []
     suspects = []
-    for s in hang.suspects:
+    hangs = hang.suspects
+    notes = [*table.notes, *hang.notes]
+    if hangs and all(s.tentative for s in hangs) and slow.suspects:
+        notes += [f"not called a hang: rank {s.rank}: {s.evidence}" for s in hangs]
+        hangs = []
+    for s in hangs:
         suspects.append(
             {
                 "rank": s.rank,
@@ -46,17 +51,17 @@ def build_report(
         if layout is not None and rank < layout.world_size:
             entry["position"] = layout.describe(rank)
             entry["coords"] = layout.coords(rank)
-    verdict = "hang" if hang.suspects else ("slow" if suspects else "healthy")
+    verdict = "hang" if hangs else ("slow" if suspects else "healthy")
     return {
         "verdict": verdict,
         "suspects": suspects,
-        "victims": hang.victims if hang.suspects else [],
+        "victims": hang.victims if hangs else [],
         "world_size": table.world_size,
         "ranks_with_logs": len(table.ranks),
         "records": len(table),
         "communicators": len(table.comms),
         "clock_offsets_ms": {h: round(v / 1e6, 3) for h, v in sorted(slow.skew_ns.items())},
-        "notes": [*table.notes, *hang.notes],
+        "notes": notes,
         "inputs": load.as_dict(),
         "layout": None
         if layout is None

@@ -24,7 +24,10 @@ from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.table import TraceTable
 
 MIN_INSTANCES = 8
-MAX_INSTANCES = 1000
+MAX_INSTANCES = 20000
+WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before it is judged alone
+WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
+MAX_WINDOWS = 12
 MIN_REL = 0.02
 MIN_PERSISTENCE = 0.7
 MAX_PASSES = 3
@@ -138,7 +141,9 @@ def comm_lateness(
         unmasked = np.array([m not in masked for m in members.tolist()])
         med = np.median(t[unmasked] if unmasked.any() else t, axis=0)
         late = t - med[None, :]
-        interval = float(np.median(np.diff(med))) if len(med) > 1 else 0.0
+        # the mean interval between instances: the median of consecutive gaps is too small where calls
+        # come in bursts, and meaningless where instances of merged groups interleave
+        interval = float((med.max() - med.min()) / (len(med) - 1)) if len(med) > 1 else 0.0
         out.append(
             CommLateness(
                 c,
@@ -193,14 +198,15 @@ def _trails_everywhere(m: int, rnd: _Round) -> bool:
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
     late, judged = rnd.late, rnd.judged
     pers = min(late[m][c][1] for c in judged[m])
-    worst = max((late[m][c] for c in judged[m]), key=lambda item: item[0])
-    rel, cl = worst[0], worst[2]
+    # shown and ranked by the busiest communicator it is clearly late in (the most instances)
+    shown = max((late[m][c] for c in judged[m] & rnd.is_late[m]), key=lambda item: item[2].instances)
+    rel, cl = shown[0], shown[2]
     return SlowSuspect(
         m,
         round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
         f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
         f"{'same-host ' if judged[m] <= rnd.local else ''}communicator it is in, by a median "
-        f"{worst[0]:.1%} of the call interval "
+        f"{rel:.1%} of the call interval "
         f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
         f"{len(cl.members)} ranks).",
         rel,
@@ -208,16 +214,68 @@ def _straggler(m: int, rnd: _Round) -> SlowSuspect:
 
 
 def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
+    """Stragglers over the whole trace and, in long traces, in each time window (a slowdown that lasted
+    a while is found even when the trace goes on healthy for longer)."""
     hosts = rank_hosts(table, layout)
     mats = list(_matrices(table))
     offsets = _host_offsets(mats, hosts)
-    # A straggler drags the median of every instance it is in; once found it is left out of the
-    # medians and the next pass looks again, so a milder straggler sharing a communicator with a
-    # severe one (both late in the same DP group, say) is not hidden behind it.
+    best: dict[int, SlowSuspect] = {}
+    windows: dict[int, int] = {}
+    whole: set[int] = set()
+    first: _Round | None = None
+    for window, part in _time_windows(mats):
+        found, rnd = _stragglers(part, hosts, offsets)
+        first = first or rnd
+        for suspect in found:
+            if window and suspect.relative < WINDOW_MIN_REL:
+                continue
+            if window:
+                suspect.evidence += f" ({window})"
+                windows[suspect.rank] = windows.get(suspect.rank, 0) + 1
+            else:
+                whole.add(suspect.rank)
+            if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
+                best[suspect.rank] = suspect
+    # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
+    suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
+    if first is not None and not suspects:
+        suspects.extend(_slow_groups(first))
+    suspects.sort(key=lambda s: (-s.relative, s.rank))
+    return SlowResult(suspects, offsets, len(mats))
+
+
+def _time_windows(mats: list) -> list[tuple[str, list]]:
+    """The whole trace, then equal time windows over it when communicators have enough instances for
+    each window to be judged alone; every part keeps the communicators with enough instances in it."""
+    parts: list[tuple[str, list]] = [("", mats)]
+    busiest = max((enq.shape[1] for _c, _m, enq, _d in mats), default=0)
+    count = min(MAX_WINDOWS, busiest // WINDOW_INSTANCES)
+    if count < 2:
+        return parts
+    t_lo = min(float(np.nanmin(enq)) for _c, _m, enq, _d in mats)
+    t_hi = max(float(np.nanmax(enq)) for _c, _m, enq, _d in mats)
+    edges = np.linspace(t_lo, t_hi, count + 1)
+    for lo, hi in itertools.pairwise(edges.tolist()):
+        part = []
+        for c, members, enq, done in mats:
+            mid = np.median(enq, axis=0)
+            keep = (mid >= lo) & (mid <= hi)
+            if int(keep.sum()) >= max(MIN_INSTANCES, WINDOW_INSTANCES // 4):
+                part.append((c, members, enq[:, keep], None if done is None else done[:, keep]))
+        if part:
+            label = f"from {(lo - t_lo) / 1e9:.0f} s to {(hi - t_lo) / 1e9:.0f} s of the trace"
+            parts.append((label, part))
+    return parts
+
+
+def _stragglers(mats: list, hosts: list[str], offsets: dict[str, float]) -> tuple[list[SlowSuspect], _Round]:
+    """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
+    once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
+    a communicator with a severe one (both late in the same DP group, say) is not hidden behind it."""
     stragglers: list[int] = []
     suspects = []
-    first: _Round | None = None
     per_comm = comm_lateness(mats, hosts, offsets)
+    first: _Round | None = None
     for _pass in range(MAX_PASSES):
         if stragglers:  # only communicators holding a straggler have new medians
             masked = frozenset(stragglers)
@@ -232,10 +290,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
             break
         stragglers.extend(found)
         suspects.extend(_straggler(m, rnd) for m in found)
-    if first is not None and not stragglers:
-        suspects.extend(_slow_groups(first))
-    suspects.sort(key=lambda s: (-s.relative, s.rank))
-    return SlowResult(suspects, offsets, len(mats))
+    return suspects, first or _lateness_round(per_comm, hosts)
 
 
 def _slow_groups(rnd: _Round) -> list[SlowSuspect]:
