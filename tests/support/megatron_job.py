@@ -424,9 +424,13 @@ def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
     else:
         if any(p.poll() is None for p in procs):
             code = 124
+    # stop every rank before killing any: a rank that saw its peer's socket close would raise inside
+    # the collective it waits in, and the traces would no longer show where the job stood
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGSTOP)
+    for p in procs:
+        if p.poll() is None:
             p.kill()
         p.wait()
     codes = [p.returncode for p in procs]
