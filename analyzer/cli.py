@@ -11,6 +11,7 @@ from megatrace.analyzer.layout import DEFAULT_ORDER, LayoutError, layout_config_
 from megatrace.analyzer.report import render
 from megatrace.config import ConfigError
 
+EXIT_CODES = {"healthy": 0, "hang": 1, "slow": 1, "inconclusive": 3, "no-data": 3}
 LAYOUT_FLAGS = ("world_size", "tp", "pp", "dp", "cp", "ep", "order", "gpus_per_node")
 
 
@@ -20,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="localize the hung or slow rank from trace logs",
         description="Read trace logs (Megatrace ring files and dumps, Megatrace NCCL logs, PyTorch Flight "
         "Recorder dumps; formats are auto-detected) and name the hung or slow rank. Exit code 0 when "
-        "healthy, 1 when a hang or slow rank is found, 2 on bad arguments.",
+        "healthy, 1 when a hang or slow rank is found, 2 on bad arguments, 3 when the logs allow no "
+        "safe call (inconclusive) or nothing readable was found (no data).",
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="trace files or directories holding them")
     p.add_argument("--format", choices=["text", "json", "chrome"], default="text", help="report format")
@@ -42,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     values = {name: getattr(args, name) for name in LAYOUT_FLAGS}
     given = {k: v for k, v in values.items() if v is not None}
+    if args.stall_seconds < 0:
+        print("megatrace analyze: --stall-seconds must be 0 or more", file=sys.stderr)
+        return 2
     try:
         if args.layout:
             config = load_layout_file(args.layout, overrides=given)
@@ -55,7 +60,14 @@ def handle(args: argparse.Namespace) -> int:
         return 2
     text = render(report, args.format, table)
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        try:
+            Path(args.output).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            print(
+                f"megatrace analyze: cannot write --output {args.output}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
     else:
         sys.stdout.write(text)
-    return 0 if report["verdict"] == "healthy" else 1
+    return EXIT_CODES[report["verdict"]]

@@ -56,6 +56,7 @@ class FlightRecorderDump:
     path: str
     rank: int
     data: dict
+    written_ns: int = 0
 
 
 def load_dump(raw: bytes) -> dict:
@@ -81,7 +82,7 @@ def read_dump(path: Path) -> FlightRecorderDump:
     rank = data.get("rank", match.group(1) if match else None)
     if rank is None:
         raise FlightRecorderError("no rank: the file name does not end with the rank number")
-    return FlightRecorderDump(str(path), int(rank), data)
+    return FlightRecorderDump(str(path), int(rank), data, path.stat().st_mtime_ns)
 
 
 def _ranks(value: Any) -> tuple[int, ...]:
@@ -199,7 +200,8 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
         for j, col in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns", "peer")):
             cols[col][:] = arr[:, j]
     cols["rank"][:] = rank
-    observed = int(max((r[4] for r in rows), default=0))
+    # torch writes no dump time: the file's modification time is when it was written
+    observed = max(int(max((r[4] for r in rows), default=0)), dump.written_ns)
     info = RankInfo(
         rank=rank, source=dump.path, fmt="flight-recorder", has_completion=True, observed_until_ns=observed
     )

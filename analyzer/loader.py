@@ -138,13 +138,15 @@ def load(
         seen = [_rank_of(item) for items in parsed.values() for item in items]
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
+    seen_until: dict[int, int] = {}  # the latest any file shows of a rank (a stall dump after the ring)
     for name, items in parsed.items():
         for calls in READERS[name].resolve(items, layout):
             _keep_best(by_rank, name, calls, report)
+            seen_until[calls.rank] = max(seen_until.get(calls.rank, 0), calls.info.observed_until_ns)
     builder = TableBuilder()
     for rank in sorted(by_rank):
         calls = by_rank[rank][3]
-        calls.info.observed_until_ns = max(calls.info.observed_until_ns, _mtime_ns(calls.info.source))
+        calls.info.observed_until_ns = seen_until[rank]
         builder.add(calls, calls.info.source)
     return builder.build(), report
 
@@ -164,10 +166,3 @@ def _keep_best(by_rank: dict, fmt: str, calls: RankCalls, report: LoadReport) ->
         by_rank[rank] = (*score, fmt, calls)
     else:
         report.superseded[calls.info.source] = f"rank {rank} also in {current[3].info.source}"
-
-
-def _mtime_ns(path: str) -> int:
-    try:
-        return os.stat(path).st_mtime_ns
-    except OSError:
-        return 0

@@ -52,6 +52,22 @@ def build_report(
             entry["position"] = layout.describe(rank)
             entry["coords"] = layout.coords(rank)
     verdict = "hang" if hangs else ("slow" if suspects else "healthy")
+    if not table.ranks:
+        verdict = "no-data"
+        notes.append("no readable trace file: nothing to judge (see inputs.ignored for what was skipped)")
+    elif verdict == "healthy" and hang.blocked_at:
+        verdict = "inconclusive"
+        stuck = sorted(hang.blocked_at)
+        notes.append(
+            f"rank(s) {_short_list(stuck)} are stuck in calls that never completed, but the logs do not "
+            "show which rank they wait for"
+        )
+    elif verdict == "healthy" and not slow.measured:
+        verdict = "inconclusive"
+        notes.append(
+            "no communicator has enough collectives logged by all its members to compare arrivals: "
+            "too little to call the job healthy"
+        )
     return {
         "verdict": verdict,
         "suspects": suspects,
@@ -69,11 +85,19 @@ def build_report(
     }
 
 
+def _short_list(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+
+
 def render_text(report: dict) -> str:
     verdict = report["verdict"]
     suspects = report["suspects"]
     if verdict == "healthy":
         head = f"HEALTHY: no hung or slow rank found in {report['ranks_with_logs']} rank log(s)."
+    elif verdict == "no-data":
+        head = "NO DATA: no readable trace file was found; nothing was judged."
+    elif verdict == "inconclusive":
+        head = f"INCONCLUSIVE: {report['notes'][-1]}."
     else:
         top = suspects[0]
         where = f" on {top['host']}" if top.get("host") else ""

@@ -26,6 +26,7 @@ from megatrace.tracer.ringfile import (
     parse_comm_table,
     read_header,
     read_ring,
+    writer_holds_lock,
 )
 
 # tracer op code -> analyzer op code
@@ -117,7 +118,17 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
 
 
 def _parse_ring(path: Path) -> Parsed:
-    return Parsed(snapshot_calls(read_ring_file(path), str(path), "ring"))
+    snapshot = read_ring_file(path)
+    calls = snapshot_calls(snapshot, str(path), "ring")
+    if not (snapshot.header.writer_locks and writer_holds_lock(path)):
+        # the writer is gone: the trace ends at the rank's last sign of life, not at the time of reading
+        header, rec = snapshot.header, snapshot.records
+        last = [header.last_enqueue_ns, header.last_complete_ns, header.last_step_end_ns]
+        last.append(header.start_time_ns)
+        if len(rec):
+            last += [int(rec["enqueue_ns"].max()), int(rec["complete_ns"].max())]
+        calls.info.observed_until_ns = max(last)
+    return Parsed(calls)
 
 
 def _parse_dump(path: Path) -> Parsed:
