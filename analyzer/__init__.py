@@ -13,6 +13,7 @@ from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = False, stall_s: float = 1.0):
     """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from."""
     from megatrace.analyzer.hang import detect_hang
+    from megatrace.analyzer.infer import check_given, infer_layout
     from megatrace.analyzer.loader import load
     from megatrace.analyzer.report import build_report
     from megatrace.analyzer.slow import detect_slow
@@ -25,9 +26,18 @@ def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = Fal
         resolved = (
             resolve(layout, table.world_size or None) if table.world_size or layout.world_size else None
         )
+    inferred = infer_layout(table, resolved.gpus_per_node if isinstance(resolved, Layout) else 8)
+    if isinstance(resolved, Layout):
+        contradiction = check_given(resolved, inferred, table)
+        if contradiction:
+            table.notes.append(contradiction)
+    else:
+        resolved = inferred.layout
     hang = detect_hang(table, stall_s)
     slow = detect_slow(table, resolved)
-    return build_report(table, loaded, hang, slow, resolved), table
+    report = build_report(table, loaded, hang, slow, resolved)
+    report["layout_inferred"] = inferred.as_dict()
+    return report, table
 
 
 def analyze(paths, layout: Layout | LayoutConfig | None = None) -> dict:

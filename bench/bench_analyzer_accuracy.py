@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from megatrace.analyzer import analyze
-from megatrace.analyzer import scenarios as S
+from tests.support import scenarios as S
 from megatrace.analyzer.layout import LayoutConfig
 
 WORLDS = [(8, 2, 1), (16, 2, 2), (32, 4, 2), (64, 8, 2), (128, 8, 4), (512, 8, 4)]

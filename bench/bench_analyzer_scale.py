@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyzer import scenarios as S
+from tests.support import scenarios as S
 from megatrace.analyzer.hang import detect_hang
 from megatrace.analyzer.layout import LayoutConfig, resolve
 from megatrace.analyzer.loader import load

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from megatrace.analyzer import analyze
-from megatrace.analyzer import scenarios as S
+from tests.support import scenarios as S
 from megatrace.analyzer.layout import LayoutConfig, LayoutError, resolve
 from megatrace.analyzer.nccl_log import _fast_fields, parse_nccl_bytes
 from megatrace.analyzer.progress import Progress
