@@ -126,7 +126,8 @@ def test_health_metrics_and_console_delivery(service: Service) -> None:
     assert line["channel"] == "console" and line["msg_type"] == "interactive"
     assert line["card"]["header"]["title"]["content"].startswith("[P0] FIRING")
     health = requests.get(url(service, "/healthz"), timeout=5)
-    assert health.status_code == 200 and health.json() == {"status": "ok", "queue": 0, "dead": 0}
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "queue": 0, "dead": 0, "quarantined": 0}
     metrics = requests.get(url(service, "/metrics"), timeout=5).text
     assert "megatrace_alertbot_alerts_received_total 2.0" in metrics
     assert "megatrace_alertbot_alerts_deduplicated_total 1.0" in metrics
