@@ -257,13 +257,17 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
 
 
 def _upper_levels(data: dict[str, Any]) -> dict[str, Any]:
-    """Level-keyed maps with upper-case keys (environment variable names arrive lower-cased)."""
+    """Level-keyed maps with upper-case keys (environment variable names arrive lower-cased), group
+    bots given as a bare webhook URL as ``{webhook: URL}``."""
     feishu = data.get("feishu")
     if not isinstance(feishu, dict):
         return data
     feishu = dict(feishu)
-    if isinstance(feishu.get("group_bots"), dict):
-        feishu["group_bots"] = {str(k).upper(): v for k, v in feishu["group_bots"].items()}
+    if isinstance(feishu.get("group_bots"), dict):  # a bare webhook URL is short for {webhook: URL}
+        feishu["group_bots"] = {
+            str(k).upper(): {"webhook": v} if isinstance(v, str) else v
+            for k, v in feishu["group_bots"].items()
+        }
     app = feishu.get("app")
     if isinstance(app, dict) and isinstance(app.get("chats"), dict):
         feishu["app"] = {**app, "chats": {str(k).upper(): v for k, v in app["chats"].items()}}
@@ -275,7 +279,7 @@ def load(path: str | Path | None, overrides: dict | None = None, serving: bool =
     the same steps as `megatrace.config.load_config`, with level keys (P0..P3) case-insensitive."""
     data = _upper_levels(read_yaml(path)) if path is not None else {}
     sources = [str(path)] if path is not None else []
-    from_env = env_overrides(ENV_PREFIX)
+    from_env = env_overrides(ENV_PREFIX, schema=AlertbotConfig)
     if from_env:
         data = merge(data, _upper_levels(from_env))
         sources.append(f"environment {ENV_PREFIX}*")
