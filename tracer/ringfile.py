@@ -241,8 +241,13 @@ class RingWriter:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
+            # Reserve every block now: a sparse file on a full filesystem (often a tmpfs) would kill
+            # the rank with SIGBUS at the first store into an unbacked page; this raises ENOSPC instead.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        except OSError:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         self.header = memoryview(self._map)[:HEADER_SIZE].cast("q")
