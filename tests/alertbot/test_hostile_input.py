@@ -21,7 +21,7 @@ import yaml
 from megatrace.alertbot import alertmanager
 from megatrace.alertbot.alertmanager import reconcile
 from megatrace.alertbot.service import Service
-from tests.alertbot.conftest import TOKEN, Bot, alert, config, webhook
+from tests.alertbot.conftest import TOKEN, Bot, alert, config, wait_until, webhook
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PAST_9999_IN_UTC = "9999-12-31T23:59:59-23:59"
@@ -47,14 +47,6 @@ def raw_request(bot: Service, head: bytes, body: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", bot.port), timeout=20) as conn:
         conn.sendall(head + body)
         return conn.makefile("rb").readline()
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached in {timeout}s")
-        time.sleep(0.05)
 
 
 def delivered(bot: Service) -> list[dict]:

@@ -17,7 +17,7 @@ import yaml
 
 from megatrace.alertbot.payload import format_time
 from megatrace.alertbot.service import Service
-from tests.alertbot.conftest import TOKEN, alert, config, webhook
+from tests.alertbot.conftest import TOKEN, alert, config, wait_until, webhook
 from tests.support.feishu_server import FeishuServer
 from tests.support.services import alertmanager_argv, free_port, running
 
@@ -36,14 +36,6 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 def url(bot: Service, path: str) -> str:
     return f"http://127.0.0.1:{bot.port}{path}"
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached in {timeout}s")
-        time.sleep(0.1)
 
 
 def console_lines(bot_cfg_path: Path) -> list[dict]:
