@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import requests
@@ -14,6 +15,9 @@ from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_a
 from megatrace.alertbot.store import Store
 
 log = logging.getLogger(__name__)
+
+# (source, the alert or episode, reason, now): sets one alert aside, see `Pipeline.quarantine`
+Quarantine = Callable[[str, Any, str, float], None]
 
 
 class AlertmanagerError(RuntimeError):
@@ -44,9 +48,13 @@ def fetch_alerts(cfg: AlertmanagerConfig) -> list[dict[str, Any]]:
     return data
 
 
-def reconcile(store: Store, cfg: AlertmanagerConfig, now: float) -> tuple[int, int]:
+def reconcile(
+    store: Store, cfg: AlertmanagerConfig, now: float, quarantine: Quarantine | None = None
+) -> tuple[int, int]:
     """Queue (as a stored webhook) the firing alerts we never saw and resolves of episodes that
-    Alertmanager no longer holds; returns (missed firing, missed resolved)."""
+    Alertmanager no longer holds; returns (missed firing, missed resolved). A stored episode that
+    cannot be written back as an alert (a start time past year 9999 in UTC, kept by an older version)
+    is marked ``quarantined`` and handed to `quarantine` once, instead of failing the others."""
     present: set[tuple[str, float]] = set()
     missed: list[Alert] = []
     for i, raw in enumerate(fetch_alerts(cfg)):
@@ -71,18 +79,25 @@ def reconcile(store: Store, cfg: AlertmanagerConfig, now: float) -> tuple[int, i
         _webhook_alert(a.status, a.labels, a.annotations, a.starts_at, None, a.generator_url, a.fingerprint)
         for a in missed
     ]
-    alerts += [
-        _webhook_alert(
-            "resolved",
-            json.loads(row["labels"]),
-            json.loads(row["annotations"]),
-            row["starts_at"],
-            now,
-            row["generator_url"],
-            row["fingerprint"],
-        )
-        for row in gone
-    ]
+    resolved = 0
+    for row in gone:
+        try:
+            alerts.append(
+                _webhook_alert(
+                    "resolved",
+                    json.loads(row["labels"]),
+                    json.loads(row["annotations"]),
+                    row["starts_at"],
+                    now,
+                    row["generator_url"],
+                    row["fingerprint"],
+                )
+            )
+            resolved += 1
+        except (ValueError, OverflowError, OSError) as exc:
+            store.update_episode(row["id"], status="quarantined")
+            if quarantine is not None:
+                quarantine("reconcile", dict(row), f"episode {row['id']} cannot be resolved: {exc}", now)
     if alerts:
         body = {
             "version": "4",
@@ -93,8 +108,8 @@ def reconcile(store: Store, cfg: AlertmanagerConfig, now: float) -> tuple[int, i
             "alerts": alerts,
         }
         store.add_inbox("reconcile", json.dumps(body), now)
-        log.info("reconciliation: %d missed firing, %d missed resolved", len(missed), len(gone))
-    return len(missed), len(gone)
+        log.info("reconciliation: %d missed firing, %d missed resolved", len(missed), resolved)
+    return len(missed), resolved
 
 
 def _webhook_alert(

@@ -10,7 +10,6 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from megatrace.alertbot import config as bot_config
-from megatrace.config import ConfigError
 
 
 def _date(value: str) -> str:
@@ -49,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(func=run_report)
 
 
-def _load(args: argparse.Namespace, path: str | None) -> bot_config.AlertbotConfig:
+def _load(args: argparse.Namespace, path: str | None, serving: bool = True) -> bot_config.AlertbotConfig:
     overrides = {"listen": args.listen} if getattr(args, "listen", None) else None
-    return bot_config.load(path, overrides)
+    return bot_config.load(path, overrides, serving)
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -61,7 +60,9 @@ def run_service(args: argparse.Namespace) -> int:
     try:
         service = Service(cfg)
     except OSError as exc:
-        raise ConfigError(f"cannot start: {exc}") from None
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"megatrace alertbot: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     service.run_forever()
     return 0
 
@@ -72,7 +73,7 @@ def run_report(args: argparse.Namespace) -> int:
     from megatrace.alertbot.report import build_report
     from megatrace.alertbot.service import Service
 
-    cfg = _load(args, args.report_config or args.config)
+    cfg = _load(args, args.report_config or args.config, serving=False)
     zone = ZoneInfo(cfg.report.timezone)
     since = datetime.fromisoformat(args.since).replace(tzinfo=zone)
     until = datetime.fromisoformat(args.until).replace(tzinfo=zone)

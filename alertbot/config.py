@@ -152,6 +152,8 @@ class ReportConfig:
 class AlertbotConfig:
     listen: str = "127.0.0.1:9451"
     max_body_bytes: int = 8 * 1024 * 1024
+    # Seconds a client may take to send the rest of a request (and an idle keep-alive may last).
+    read_timeout_s: float = 30.0
     templates_dir: str = ""
     auth: AuthConfig = field(default_factory=AuthConfig)
     alertmanager: AlertmanagerConfig = field(default_factory=AlertmanagerConfig)
@@ -192,12 +194,15 @@ def listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def check(cfg: AlertbotConfig, source: str) -> AlertbotConfig:
-    """Cross-field checks; raises ConfigError naming the key. Registers every secret for log masking."""
+def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotConfig:
+    """Cross-field checks; raises ConfigError naming the key. Registers every secret for log masking.
+    `serving=False` (reports) does not ask for the webhook credentials."""
     problems = []
     auth = cfg.auth
-    if not auth.bearer_token and not (auth.basic_user and auth.basic_password):
+    if serving and not auth.bearer_token and not (auth.basic_user and auth.basic_password):
         problems.append("key 'auth': set auth.bearer_token or auth.basic_user + auth.basic_password")
+    if not 0 < cfg.read_timeout_s <= 3600:
+        problems.append("key 'read_timeout_s': must be more than 0 and at most 3600")
     listen_address(cfg.listen)
     level_maps = {
         "feishu.group_bots": cfg.feishu.group_bots,
@@ -252,25 +257,29 @@ def check(cfg: AlertbotConfig, source: str) -> AlertbotConfig:
 
 
 def _upper_levels(data: dict[str, Any]) -> dict[str, Any]:
-    """Level-keyed maps with upper-case keys (environment variable names arrive lower-cased)."""
+    """Level-keyed maps with upper-case keys (environment variable names arrive lower-cased), group
+    bots given as a bare webhook URL as ``{webhook: URL}``."""
     feishu = data.get("feishu")
     if not isinstance(feishu, dict):
         return data
     feishu = dict(feishu)
-    if isinstance(feishu.get("group_bots"), dict):
-        feishu["group_bots"] = {str(k).upper(): v for k, v in feishu["group_bots"].items()}
+    if isinstance(feishu.get("group_bots"), dict):  # a bare webhook URL is short for {webhook: URL}
+        feishu["group_bots"] = {
+            str(k).upper(): {"webhook": v} if isinstance(v, str) else v
+            for k, v in feishu["group_bots"].items()
+        }
     app = feishu.get("app")
     if isinstance(app, dict) and isinstance(app.get("chats"), dict):
         feishu["app"] = {**app, "chats": {str(k).upper(): v for k, v in app["chats"].items()}}
     return {**data, "feishu": feishu}
 
 
-def load(path: str | Path | None, overrides: dict | None = None) -> AlertbotConfig:
+def load(path: str | Path | None, overrides: dict | None = None, serving: bool = True) -> AlertbotConfig:
     """Load and check the alert bot configuration (file, then environment, then `overrides`);
     the same steps as `megatrace.config.load_config`, with level keys (P0..P3) case-insensitive."""
     data = _upper_levels(read_yaml(path)) if path is not None else {}
     sources = [str(path)] if path is not None else []
-    from_env = env_overrides(ENV_PREFIX)
+    from_env = env_overrides(ENV_PREFIX, schema=AlertbotConfig)
     if from_env:
         data = merge(data, _upper_levels(from_env))
         sources.append(f"environment {ENV_PREFIX}*")
@@ -278,4 +287,4 @@ def load(path: str | Path | None, overrides: dict | None = None) -> AlertbotConf
         data = merge(data, overrides)
         sources.append("command line")
     source = " + ".join(sources) or "defaults"
-    return check(validate(AlertbotConfig, data, source), source)
+    return check(validate(AlertbotConfig, data, source), source, serving)

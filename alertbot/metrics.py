@@ -58,6 +58,11 @@ class BotMetrics:
         self.archived = Counter(
             "megatrace_alertbot_archived_rows", "Rows appended to the Feishu sheet.", registry=r
         )
+        self.quarantined = Counter(
+            "megatrace_alertbot_alerts_quarantined",
+            "Alerts set aside because they could not be processed (kept in the store's quarantine).",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "megatrace_alertbot_queue_depth", "Notifications waiting to be delivered.", registry=r
         )

@@ -45,6 +45,7 @@ class Webhook:
     external_url: str
     truncated_alerts: int
     alerts: list[Alert]
+    rejected: list[tuple[int, str, Any]] = dataclasses.field(default_factory=list)
 
 
 def parse_time(value: Any, where: str) -> float | None:
@@ -63,6 +64,9 @@ def parse_time(value: Any, where: str) -> float | None:
     tz = "+00:00" if zone in ("Z", "z") else zone
     try:
         moment = datetime.fromisoformat(f"{year}-{month}-{day}T{hour}:{minute}:{second}.{frac}{tz}")
+        moment.astimezone(UTC)
+    except OverflowError:
+        raise PayloadError(f"{where}: {value[:40]!r} lies outside years 1 to 9999 in UTC") from None
     except ValueError as exc:
         raise PayloadError(f"{where}: invalid date/time {value[:40]!r}: {exc}") from None
     return round(moment.timestamp(), 3)
@@ -121,14 +125,30 @@ def parse_alert(raw: Any, where: str) -> Alert:
     )
 
 
-def parse_webhook(body: bytes | str) -> Webhook:
-    """Validate an Alertmanager webhook body (version 4)."""
+def load_json(body: bytes | str) -> Any:
+    """Parse a request body as JSON that can be stored and sent on: PayloadError for anything else
+    (not JSON, nested too deeply, numbers past Python's digit limit, lone surrogates like ``\\ud800``)."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PayloadError(f"body is not valid JSON: {exc}") from None
     except RecursionError:
         raise PayloadError("body is nested too deeply") from None
+    except ValueError as exc:  # an integer longer than sys.get_int_max_str_digits()
+        raise PayloadError(f"body is not usable JSON: {str(exc)[:120]}") from None
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise PayloadError("body holds a lone surrogate (e.g. \\ud800): not valid Unicode") from None
+    except RecursionError:
+        raise PayloadError("body is nested too deeply") from None
+    return data
+
+
+def parse_webhook(body: bytes | str, lenient: bool = False) -> Webhook:
+    """Validate an Alertmanager webhook body (version 4). With `lenient`, alerts that fail validation
+    are set aside in `Webhook.rejected` (index, reason, the alert as sent) instead of failing the body."""
+    data = load_json(body)
     if not isinstance(data, dict):
         raise PayloadError(f"body: expected a JSON object, got {type(data).__name__}")
     if data.get("version") != "4":
@@ -145,11 +165,21 @@ def parse_webhook(body: bytes | str) -> Webhook:
     for key in ("receiver", "groupKey", "externalURL"):
         if not isinstance(data.get(key, ""), str):
             raise PayloadError(f"{key}: expected a string")
+    parsed: list[Alert] = []
+    rejected: list[tuple[int, str, Any]] = []
+    for i, item in enumerate(alerts):
+        try:
+            parsed.append(parse_alert(item, f"alerts[{i}]"))
+        except PayloadError as exc:
+            if not lenient:
+                raise
+            rejected.append((i, str(exc), item))
     return Webhook(
         status=status,
         receiver=data.get("receiver", ""),
         group_key=data.get("groupKey", ""),
         external_url=data.get("externalURL", ""),
         truncated_alerts=truncated,
-        alerts=[parse_alert(item, f"alerts[{i}]") for i, item in enumerate(alerts)],
+        alerts=parsed,
+        rejected=rejected,
     )

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import sqlite3
 from typing import Any
 
 from megatrace.alertbot.config import AlertbotConfig, app_configured
@@ -242,28 +243,53 @@ class Pipeline:
 
     # -- webhooks -------------------------------------------------------------------------------
 
-    def ingest(self, alerts: list[Alert], external_url: str, now: float) -> None:
-        """Apply a batch of alerts (one webhook or one reconciliation) in one transaction."""
+    def ingest(self, alerts: list[Alert], external_url: str, now: float, inbox_id: int | None = None) -> int:
+        """Apply a batch of alerts (one webhook or one reconciliation) in one transaction; returns how
+        many were quarantined. An alert whose processing fails for a reason of its own (not the
+        database's) is undone alone and quarantined, so it never blocks the alerts after it."""
+        quarantined = 0
         with self.store.transaction():
             for alert in alerts:
                 self.metrics.received.inc()
-                if alert.status == "firing":
-                    self._firing(alert, external_url, now)
-                else:
-                    self._resolved(alert, external_url, now)
+                try:
+                    with self.store.savepoint():
+                        if alert.status == "firing":
+                            self._firing(alert, external_url, now)
+                        else:
+                            self._resolved(alert, external_url, now)
+                except sqlite3.Error:
+                    raise
+                except Exception as exc:
+                    reason = f"processing failed: {type(exc).__name__}: {exc}"
+                    self.quarantine("webhook", dataclasses.asdict(alert), reason, now, inbox_id)
+                    quarantined += 1
+        return quarantined
+
+    def quarantine(
+        self, source: str, alert: Any, reason: str, now: float, inbox_id: int | None = None
+    ) -> None:
+        """Set one alert aside: stored with its reason, logged, counted (``/healthz``, ``/metrics``)."""
+        self.store.add_quarantine(source, alert, reason, now, inbox_id)
+        self.metrics.quarantined.inc()
+        log.warning("quarantined an alert from %s (inbox %s): %s", source, inbox_id, reason)
 
     def process_inbox(self, now: float, limit: int = 200) -> int:
         """Process up to `limit` stored, unprocessed webhooks (oldest first); returns how many. The
-        bound keeps a long burst from starving delivery: the worker alternates the two."""
+        bound keeps a long burst from starving delivery: the worker alternates the two. Bodies were
+        validated on arrival, but rows stored by an older version may hold alerts that no longer
+        pass: those alerts are quarantined, the rest of their webhook is processed."""
         done = 0
         for row in self.store.unprocessed_inbox(limit):
             try:
-                webhook = parse_webhook(row["body"])
-            except PayloadError as exc:  # stored bodies were validated; this only guards old rows
+                webhook = parse_webhook(row["body"], lenient=True)
+            except PayloadError as exc:
+                self.quarantine(row["source"], row["body"], str(exc), now, row["id"])
                 self.store.mark_inbox(row["id"], now, str(exc))
                 continue
             with self.store.transaction():
-                self.ingest(webhook.alerts, webhook.external_url, now)
+                for index, reason, raw in webhook.rejected:
+                    self.quarantine(row["source"], raw, f"alerts[{index}]: {reason}", now, row["id"])
+                self.ingest(webhook.alerts, webhook.external_url, now, row["id"])
                 self.store.mark_inbox(row["id"], now)
             done += 1
         return done

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatrace.alertbot.alertmanager import AlertmanagerError, create_silence
 from megatrace.alertbot.config import AuthConfig, listen_address
-from megatrace.alertbot.payload import PayloadError, parse_webhook
+from megatrace.alertbot.payload import PayloadError, load_json, parse_webhook
 
 if TYPE_CHECKING:
     from megatrace.alertbot.service import Service
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_SILENCE_S = 30 * 86400
+# Connections the kernel queues for accept(): an alert storm from an Alertmanager HA pair arrives at
+# once, and the kernel caps this at net.core.somaxconn (4096 on current kernels).
+LISTEN_BACKLOG = 4096
 
 
 def authorized(header: str | None, auth: AuthConfig) -> bool:
@@ -63,10 +66,7 @@ def parse_duration(value: Any) -> float:
 
 def silence_request(body: bytes) -> tuple[dict[str, str], float, str, str]:
     """Validate a silence request: {matchers: {label: value}, duration, comment?, createdBy?}."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"body is not valid JSON: {exc}") from None
+    data = load_json(body)
     if not isinstance(data, dict):
         raise ValueError("body: expected a JSON object")
     matchers = data.get("matchers")
@@ -88,6 +88,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         server_version = "megatrace-alertbot"
         protocol_version = "HTTP/1.1"
+        timeout = service.cfg.read_timeout_s  # each read from the client; an idle keep-alive ends too
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s %s", self.address_string(), fmt % args)
@@ -103,16 +104,29 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def read_body(self) -> bytes | None:
-            try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
+            header = self.headers.get("Content-Length")
+            if header is None:
+                self.close_connection = True
                 self.reply(411, {"error": "Content-Length header required"})
                 return None
-            if length < 0 or length > service.cfg.max_body_bytes:
+            if not re.fullmatch(r"[0-9]{1,19}", header.strip()):
+                self.close_connection = True
+                self.reply(400, {"error": "Content-Length: expected a decimal number of bytes"})
+                return None
+            length = int(header)
+            if length > service.cfg.max_body_bytes:
                 self.close_connection = True
                 self.reply(413, {"error": f"body larger than {service.cfg.max_body_bytes} bytes"})
                 return None
-            return self.rfile.read(length)
+            try:
+                body = self.rfile.read(length)
+            except TimeoutError:
+                body = b""
+            if len(body) < length:
+                self.close_connection = True
+                self.reply(408, {"error": f"body not received within {service.cfg.read_timeout_s:g}s"})
+                return None
+            return body
 
         def authenticate(self) -> bool:
             if authorized(self.headers.get("Authorization"), service.cfg.auth):
@@ -191,6 +205,14 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             self.reply(200, {"silenceID": silence_id})
 
     host, port = listen_address(service.cfg.listen)
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    try:
+        return BotHTTPServer((host, port), Handler)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on {service.cfg.listen}: {exc.strerror or exc}") from None
+
+
+class BotHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, and a listen backlog deep enough for an alert storm."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG

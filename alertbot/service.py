@@ -30,6 +30,8 @@ from megatrace.alertbot.store import Store
 
 log = logging.getLogger(__name__)
 QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or more, nothing to act on
+# /healthz fails when the worker (which wakes at least once a second) finished no round for this long.
+WORKER_STALL_S = 120.0
 
 
 class Service:
@@ -41,11 +43,18 @@ class Service:
         self.cfg = cfg
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.store = Store(cfg.store.path, cfg.store.synchronous)
-        self.metrics = BotMetrics(queue_depth=self.store.queue_depth)
+        # What can fail on bad settings or a busy port comes first: a failed start leaves no database.
         policy = load_policy(cfg.grading.policy_file) if cfg.grading.policy_file else []
-        self.pipeline = Pipeline(self.store, cfg, policy, self.metrics)
         self.renderer = CardRenderer(cfg.templates_dir, cfg.links, cfg.report.timezone)
+        self.httpd = make_server(self) if listen else None
+        try:
+            self.store = Store(cfg.store.path, cfg.store.synchronous)
+        except BaseException:
+            if self.httpd is not None:
+                self.httpd.server_close()
+            raise
+        self.metrics = BotMetrics(queue_depth=self.store.queue_depth)
+        self.pipeline = Pipeline(self.store, cfg, policy, self.metrics)
         app = cfg.feishu.app
         self.app = (
             FeishuApp(cfg.feishu.base_url, app.app_id, app.app_secret, cfg.feishu.timeout_s)
@@ -61,8 +70,9 @@ class Service:
             self.pipeline, self.renderer, cfg.drilldown, self.metrics, self.wake
         )
         self.scheduler = BackgroundScheduler(timezone=cfg.report.timezone)
-        self.httpd = make_server(self) if listen else None
         self._threads: list[threading.Thread] = []
+        self.stall_after_s = WORKER_STALL_S
+        self._last_round = time.monotonic()  # when the worker last finished a round without failing
 
     @property
     def port(self) -> int:
@@ -73,14 +83,21 @@ class Service:
         self._wake.set()
 
     def health(self) -> tuple[int, dict[str, Any]]:
+        """200 while alerts move: the worker runs and finished a round without failing within
+        `stall_after_s`; 503 otherwise, saying why."""
         try:
             depth = self.store.queue_depth()
             dead = len(self.store.dead_letters())
+            quarantined = self.store.quarantine_count()
         except Exception as exc:
             return 503, {"status": "store unavailable", "error": type(exc).__name__}
-        worker_alive = all(t.is_alive() for t in self._threads)
-        status = 200 if worker_alive else 503
-        return status, {"status": "ok" if worker_alive else "worker stopped", "queue": depth, "dead": dead}
+        counts = {"queue": depth, "dead": dead, "quarantined": quarantined}
+        if not all(t.is_alive() for t in self._threads):
+            return 503, {"status": "worker stopped", **counts}
+        stalled_for = time.monotonic() - self._last_round
+        if stalled_for > self.stall_after_s:
+            return 503, {"status": "worker stuck", "seconds_since_last_round": round(stalled_for), **counts}
+        return 200, {"status": "ok", **counts}
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -94,7 +111,9 @@ class Service:
     def _worker(self) -> None:
         while not self._stop.is_set():
             try:
-                if self.work_once():
+                more = self.work_once()
+                self._last_round = time.monotonic()
+                if more:
                     continue
             except Exception:
                 log.exception("worker iteration failed; retrying")
@@ -107,7 +126,7 @@ class Service:
 
     def reconcile(self) -> None:
         try:
-            missed = reconcile(self.store, self.cfg.alertmanager, time.time())
+            missed = reconcile(self.store, self.cfg.alertmanager, time.time(), self.pipeline.quarantine)
         except AlertmanagerError as exc:
             log.warning("reconciliation failed: %s", exc)
             return
@@ -179,6 +198,7 @@ class Service:
         recovered = self.delivery.recover()
         if recovered:
             log.warning("recovered %d deliveries left in flight by the previous run", recovered)
+        self._last_round = time.monotonic()
         for name, target in (("http", self.httpd.serve_forever), ("worker", self._worker)):
             thread = threading.Thread(target=target, name=f"alertbot-{name}", daemon=True)
             thread.start()

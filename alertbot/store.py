@@ -1,5 +1,6 @@
 """The bot's durable state in SQLite: received webhooks, alert episodes, the delivery outbox and its
-attempts, sheet rows to archive, drill-downs. WAL mode, numbered schema migrations, retention.
+attempts, sheet rows to archive, drill-downs, quarantined alerts. WAL mode, numbered schema
+migrations, retention.
 
 All SQL of the bot lives here, so a server database can take SQLite's place for a multi-replica
 deployment by reimplementing this one module.
@@ -57,6 +58,11 @@ MIGRATIONS: tuple[str, ...] = (
         id INTEGER PRIMARY KEY, job TEXT NOT NULL, alertname TEXT NOT NULL, episode_id INTEGER NOT NULL,
         requested_at REAL NOT NULL, state TEXT NOT NULL, result TEXT, finished_at REAL);
     CREATE INDEX drilldowns_job ON drilldowns(job, requested_at);
+    """,
+    """
+    CREATE TABLE quarantine (
+        id INTEGER PRIMARY KEY, quarantined_at REAL NOT NULL, source TEXT NOT NULL,
+        inbox_id INTEGER, alert TEXT NOT NULL, reason TEXT NOT NULL);
     """,
 )
 
@@ -132,6 +138,19 @@ class Store:
             if outer:
                 self.db.execute("COMMIT")
 
+    @contextlib.contextmanager
+    def savepoint(self) -> Iterator[sqlite3.Connection]:
+        """Inside a transaction: undo only this block's changes when it raises."""
+        with self._lock:
+            self.db.execute("SAVEPOINT one_alert")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK TO one_alert")
+                self.db.execute("RELEASE one_alert")
+                raise
+            self.db.execute("RELEASE one_alert")
+
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self.db.execute(sql, params).fetchall()
@@ -185,6 +204,25 @@ class Store:
 
     def mark_inbox(self, inbox_id: int, now: float, error: str | None = None) -> None:
         self.execute("UPDATE inbox SET processed_at = ?, error = ? WHERE id = ?", (now, error, inbox_id))
+
+    # -- quarantine ---------------------------------------------------------------------------
+
+    def add_quarantine(
+        self, source: str, alert: Any, reason: str, now: float, inbox_id: int | None = None
+    ) -> int:
+        """Keep an alert that cannot be processed, with the reason, for people to look at."""
+        text = json.dumps(alert, ensure_ascii=True, default=repr)
+        cur = self.execute(
+            "INSERT INTO quarantine (quarantined_at, source, inbox_id, alert, reason) VALUES (?, ?, ?, ?, ?)",
+            (now, source, inbox_id, text, reason[:2000]),
+        )
+        return int(cur.lastrowid)
+
+    def quarantined(self) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM quarantine ORDER BY id")
+
+    def quarantine_count(self) -> int:
+        return int(self.one("SELECT COUNT(*) FROM quarantine")[0])
 
     # -- episodes -----------------------------------------------------------------------------
 

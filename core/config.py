@@ -4,7 +4,9 @@ Every component describes its configuration as (nested) dataclasses and calls `l
 A bad file or value raises `ConfigError` whose message names the file, the key and what was expected.
 Environment variables override the file: with prefix ``MEGATRACE_ALERTBOT_`` the variable
 ``MEGATRACE_ALERTBOT_FEISHU__SECRET`` sets key ``feishu.secret`` (``__`` separates nesting levels).
-Values from the environment are read as YAML scalars or flow collections (``8080``, ``true``, ``[a, b]``).
+Values from the environment are read as YAML scalars or flow collections (``8080``, ``true``, ``[a, b]``),
+except for string fields, whose values are taken verbatim (a token may be all digits or hold ``#``).
+Error messages never show the value of a key that holds a secret.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read configuration file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "save the configuration file as UTF-8"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -47,8 +54,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Collect ``PREFIX_A__B=value`` variables into ``{"a": {"b": value}}``."""
+def env_overrides(
+    prefix: str, environ: Mapping[str, str] | None = None, schema: type | None = None
+) -> dict[str, Any]:
+    """Collect ``PREFIX_A__B=value`` variables into ``{"a": {"b": value}}``; values of string fields
+    of `schema` verbatim, the others parsed as YAML."""
     environ = os.environ if environ is None else environ
     result: dict[str, Any] = {}
     for name, raw in environ.items():
@@ -57,10 +67,12 @@ def env_overrides(prefix: str, environ: Mapping[str, str] | None = None) -> dict
         path = [part.lower() for part in name[len(prefix) :].split("__")]
         if any(not part for part in path):
             raise ConfigError(f"environment variable {name}: empty key segment")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+        value: Any = raw
+        if raw != "" and not (schema is not None and _field_type(schema, path) is str):
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError:
+                value = raw
         node = result
         for part in path[:-1]:
             child = node.setdefault(part, {})
@@ -82,12 +94,44 @@ def merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _field_type(schema: type, path: list[str]) -> Any:
+    """The type hint of the field at `path` (lower-case names) in `schema`; None when there is none.
+    Mappings (``dict[str, X]``) take any key."""
+    hint: Any = schema
+    for part in path:
+        nested = _dataclass_in(hint)
+        if nested is not None:
+            hints = {name.lower(): value for name, value in typing.get_type_hints(nested).items()}
+            if part not in hints:
+                return None
+            hint = hints[part]
+        elif typing.get_origin(hint) is dict:
+            hint = typing.get_args(hint)[1]
+        else:
+            return None
+    return hint
+
+
+# Keys whose values are never shown in an error message: their values are (or hold) secrets.
+SECRET_KEY_PARTS = ("token", "secret", "password", "passwd", "credential", "webhook", "group_bots")
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a dotted configuration key holds a secret (a token, a password, a webhook URL)."""
+    return any(part in key.lower() for part in SECRET_KEY_PARTS)
+
+
 def _describe(error: Mapping[str, Any]) -> str:
     key = ".".join(str(part) for part in error["loc"]) or "(top level)"
     kind = error["type"]
     if kind in ("missing", "missing_argument"):
         return f"key '{key}': required but missing"
-    return f"key '{key}': {error['msg'].lower()}, got {error.get('input')!r}"
+    if is_secret_key(key):
+        return f"key '{key}': {error['msg'].lower()} (the value is a secret and is not shown)"
+    message = error["msg"].removeprefix("Value error, ")
+    if isinstance(error.get("input"), Mapping):  # a section's own check, not a dict to print
+        return message if message.startswith("key '") else f"key '{key}': {message}"
+    return f"key '{key}': {message[:1].lower()}{message[1:]}, got {error.get('input')!r}"
 
 
 def _dataclass_in(hint: Any) -> type | None:
@@ -141,7 +185,7 @@ def load_config(
     data: dict[str, Any] = read_yaml(path) if path is not None else {}
     sources = [str(path)] if path is not None else []
     if env_prefix:
-        from_env = env_overrides(env_prefix, environ)
+        from_env = env_overrides(env_prefix, environ, schema)
         if from_env:
             data = merge(data, from_env)
             sources.append(f"environment {env_prefix}*")

@@ -18,10 +18,18 @@ MASK = "***"
 
 
 def register_secret(value: str | None) -> None:
-    """Mask `value` in all log output from now on (values shorter than 4 characters are ignored)."""
+    """Mask `value` in all log output from now on (values shorter than 4 characters are ignored),
+    also as JSON and ``repr`` write it (escaped quotes, backslashes, non-ASCII)."""
     if value and len(value) >= 4:
+        forms = {
+            value,
+            json.dumps(value)[1:-1],
+            json.dumps(value, ensure_ascii=False)[1:-1],
+            repr(value)[1:-1],
+            ascii(value)[1:-1],
+        }
         with _SECRETS_LOCK:
-            _SECRETS.add(value)
+            _SECRETS.update(forms)
 
 
 def redact(text: str) -> str:

@@ -1,7 +1,8 @@
 """The local stack: node agent, node_exporter, Prometheus, Alertmanager and the alert bot as local processes.
 
 `up` generates every configuration into the state directory, starts the parts in dependency order,
-waits until each answers its health URL, and records what it started (pid, command line) in
+waits until each answers its health URL from a socket the process it started holds (not another
+stack's process on the same port), and records what it started (pid, command line) in
 ``stack.json``; `down` stops exactly the processes recorded there whose command line still matches;
 `status` tells for each part whether it runs and answers.
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +46,7 @@ class Part:
     argv: list[str]
     health_url: str
     url: str
+    port: int
 
 
 @dataclasses.dataclass
@@ -55,6 +59,7 @@ class Running:
     health_url: str
     url: str
     log: str
+    port: int = 0  # the port it serves on (0 in state files from before it was recorded)
 
 
 def _binary(name: str) -> str:
@@ -137,18 +142,21 @@ def plan(config: StackConfig) -> list[Part]:
             ),
             http(ports.exporter, "/healthz"),
             http(ports.exporter, "/metrics"),
+            ports.exporter,
         ),
         Part(
             "node_exporter",
             [_binary("prometheus-node-exporter"), f"--web.listen-address={host}:{ports.node_exporter}"],
             http(ports.node_exporter, "/metrics"),
             http(ports.node_exporter, "/metrics"),
+            ports.node_exporter,
         ),
         Part(
             "alertbot",
             _megatrace_argv("alertbot", "--config", str(bot_file)),
             http(ports.alertbot, "/healthz"),
             http(ports.alertbot),
+            ports.alertbot,
         ),
         Part(
             "alertmanager",
@@ -161,6 +169,7 @@ def plan(config: StackConfig) -> list[Part]:
             ],
             http(ports.alertmanager, "/-/ready"),
             http(ports.alertmanager),
+            ports.alertmanager,
         ),
         Part(
             "prometheus",
@@ -173,6 +182,7 @@ def plan(config: StackConfig) -> list[Part]:
             ],
             http(ports.prometheus, "/-/ready"),
             http(ports.prometheus),
+            ports.prometheus,
         ),
     ]
 
@@ -219,7 +229,51 @@ def _log_tail(path: str, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _wait_healthy(item: Running, proc: subprocess.Popen, timeout: float) -> None:
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another socket already holds `host:port` (a listener, not a connection in TIME_WAIT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def listening_inodes(port: int) -> set[int]:
+    """Socket inodes listening on TCP `port` (any address), from ``/proc/net/tcp`` and ``tcp6``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(int(fields[9]))
+    return found
+
+
+def serves(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port`."""
+    inodes = listening_inodes(port)
+    try:
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:
+        return False
+    return any(link.startswith("socket:[") and int(link[8:-1]) in inodes for link in links)
+
+
+def _port_taken(name: str, address: str) -> StackError:
+    return StackError(
+        f"{name}: {address} is already in use (address already in use) by a process this stack did not "
+        f"start, e.g. another stack with another state directory; stop it or set ports.{name}"
+    )
+
+
+def _wait_healthy(item: Running, proc: subprocess.Popen, timeout: float, address: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -228,7 +282,10 @@ def _wait_healthy(item: Running, proc: subprocess.Popen, timeout: float) -> None
                 f"last lines of {item.log}:\n{_log_tail(item.log)}"
             )
         if healthy(item.health_url):
-            return
+            if not item.port or serves(proc.pid, item.port):
+                return
+            if listening_inodes(item.port):  # someone answers, and it is not the process we started
+                raise _port_taken(item.name, address)
         time.sleep(0.2)
     raise StackError(f"{item.name} did not answer {item.health_url} within {timeout:.0f}s; see {item.log}")
 
@@ -245,6 +302,9 @@ def up(config: StackConfig, say: Callable[[str], None] = print) -> list[Running]
     running: list[Running] = []
     try:
         for part in plan(config):
+            address = f"{config.host}:{part.port}"
+            if port_in_use(config.host, part.port):
+                raise _port_taken(part.name, address)
             log = state / "logs" / f"{part.name}.log"
             with open(log, "ab") as out:
                 proc = subprocess.Popen(
@@ -254,10 +314,10 @@ def up(config: StackConfig, say: Callable[[str], None] = print) -> list[Running]
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 )
-            item = Running(part.name, proc.pid, part.argv, part.health_url, part.url, str(log))
+            item = Running(part.name, proc.pid, part.argv, part.health_url, part.url, str(log), part.port)
             running.append(item)
             _write_state(state, running)
-            _wait_healthy(item, proc, config.start_timeout_seconds)
+            _wait_healthy(item, proc, config.start_timeout_seconds, address)
             say(f"  {part.name:<14} up   {part.url}")
     except BaseException:
         stop(running)

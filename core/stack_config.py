@@ -25,6 +25,11 @@ class Ports:
     exporter: int = 19450
     alertbot: int = 19451
 
+    def __post_init__(self) -> None:
+        for name, port in dataclasses.asdict(self).items():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"key 'ports.{name}': a port is from 1 to 65535, got {port}")
+
 
 @dataclasses.dataclass
 class AlertGrouping:
@@ -55,6 +60,8 @@ class StackConfig:
 
     def __post_init__(self) -> None:
         if self.time_compression <= 0:
-            raise ValueError("time_compression must be positive")
+            raise ValueError(
+                f"key 'time_compression': must be more than 0 (1 is real time), got {self.time_compression}"
+            )
         self.state_dir = str(Path(self.state_dir).expanduser().absolute())
         self.trace_dir = str(Path(self.trace_dir or Path(self.state_dir) / "trace").expanduser().absolute())

@@ -7,13 +7,16 @@ import logging
 import signal
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
 from megatrace.exporters.guard import Collector, GuardedCollectors
 from megatrace.exporters.server import MetricsServer
 from megatrace.exporters.settings import COLLECTOR_NAMES, DEFAULT_PORT, ExporterConfig, load, parse_listen
+
+if TYPE_CHECKING:
+    from megatrace.exporters.trace_retention import RetentionThread
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ def run(config: ExporterConfig) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    retention = start_retention(config)
     log.info(
         "serving /metrics on %s:%d (collectors: %s)",
         host,
@@ -78,7 +82,25 @@ def run(config: ExporterConfig) -> int:
     finally:
         server.server_close()
         guarded.close()
+        if retention is not None:
+            retention.close()
     return 0
+
+
+def start_retention(config: ExporterConfig) -> RetentionThread | None:
+    """Remove finished jobs' trace folders in the background, when the agent watches traces."""
+    if "tracer" not in config.collectors:
+        return None
+    max_age_s = config.trace_retention_hours * 3600 if config.trace_retention_hours else float("inf")
+    if max_age_s == float("inf") and not config.trace_max_bytes:
+        return None
+    from megatrace.exporters.trace_retention import RetentionThread
+
+    retention = RetentionThread(
+        config.trace_dir, max_age_s, config.trace_max_bytes, config.tracer_grace_seconds
+    )
+    retention.start()
+    return retention
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 Series are ``megatrace_infiniband_*{device,port}`` with node_exporter's names after the prefix where
 node_exporter has one (so rules and dashboards move across), RoCE ``hw_counters/`` as
 ``megatrace_infiniband_hw_<counter>_total``. Files that cannot be read or read ``N/A (no PMA)``
-are skipped quietly: that series is simply absent.
+are skipped quietly: that series is simply absent. Only regular files are read, opened without
+blocking, so a FIFO planted in the tree cannot hang a scrape. A sysfs root that cannot be read fails
+the collector (``collector_up 0``); a readable one without ``class/infiniband`` has no ports.
 
 Which devices, ports and attribute files exist (and the devices' identity) changes only when hardware
 or drivers do, so it is scanned once and again every `RESCAN_SECONDS`; a scrape then only re-reads
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from megatrace.exporters.families import PREFIX, FixedSeriesFamily, series_text
+from megatrace.regular_files import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +122,7 @@ FAMILY_PREFIX = f"{PREFIX}infiniband_"
 
 def _read_at(directory_fd: int | None, path: str) -> bytes | None:
     try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=directory_fd)
+        fd = open_regular(path, dir_fd=directory_fd)
     except OSError as exc:
         log.debug("skipping %s: %s", path, exc)
         return None
@@ -139,9 +142,9 @@ def read_text(path: str | Path) -> str | None:
 
 
 def parse_counter(data: bytes) -> int | None:
-    """A counter's value; None when not a number (``N/A (no PMA)``)."""
+    """A counter's value, negative ones as they are; None when not a number (``N/A (no PMA)``)."""
     data = data.strip()
-    return int(data) if data.isdigit() else None
+    return int(data) if data.removeprefix(b"-").isdigit() else None
 
 
 def parse_state(text: str | None) -> int | None:
@@ -271,7 +274,7 @@ class _Scanner:
         fd = -1
         if self.budget > 0:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
             except OSError as exc:
                 log.debug("skipping %s: %s", path, exc)
                 return
@@ -322,7 +325,7 @@ class _Scanner:
 
 
 def _read_once(path: str) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         return os.read(fd, READ_LIMIT)
     finally:
@@ -333,12 +336,17 @@ class InfinibandCollector:
     """Reads every port of every HCA under `sysfs_root`/class/infiniband at each scrape."""
 
     def __init__(self, sysfs_root: str | Path = "/sys", rescan_seconds: float = RESCAN_SECONDS) -> None:
-        self.class_dir = Path(sysfs_root) / "class" / "infiniband"
+        self.sysfs_root = Path(sysfs_root)
+        self.class_dir = self.sysfs_root / "class" / "infiniband"
         self.rescan_seconds = rescan_seconds
         self._layout: _Layout | None = None
         self._lock = threading.Lock()
 
     def _scan(self) -> _Layout:
+        try:
+            os.listdir(self.sysfs_root)
+        except OSError as exc:
+            raise OSError(f"sysfs root {self.sysfs_root} cannot be read: {exc.strerror or exc}") from None
         layout = _Layout(scanned_at=time.monotonic())
         scanner = _Scanner(layout, _fd_budget())
         for device in _listing(self.class_dir):

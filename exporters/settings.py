@@ -28,6 +28,10 @@ class ExporterConfig:
     # kubelet PodResources socket; GPUs get pod attribution when it exists, "" turns attribution off.
     podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
     xid_wait_ms: int = 500
+    # Finished jobs' folders under trace_dir are removed after this many hours (0 keeps them)...
+    trace_retention_hours: float = 72.0
+    # ...and, oldest first, while all job folders together hold more than this (0: no size limit).
+    trace_max_bytes: int = 2 << 30
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -57,6 +61,10 @@ def check(config: ExporterConfig, source: str) -> ExporterConfig:
         raise ConfigError(f"{source}: key 'tracer_grace_seconds': must not be negative")
     if config.xid_wait_ms < 1:
         raise ConfigError(f"{source}: key 'xid_wait_ms': must be at least 1")
+    if config.trace_retention_hours < 0:
+        raise ConfigError(f"{source}: key 'trace_retention_hours': must not be negative (0 keeps them)")
+    if config.trace_max_bytes < 0:
+        raise ConfigError(f"{source}: key 'trace_max_bytes': must not be negative (0: no size limit)")
     return config
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.regular_files import is_regular
 from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header, writer_holds_lock
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,10 @@ class TracerCollector:
         self._lock = threading.Lock()
 
     def rank_files(self) -> list[Path]:
-        """Ring files of all jobs, sorted by job folder then rank."""
-        return sorted(self.trace_dir.glob("*/rank-*.trace"), key=lambda p: (p.parent.name, _rank_of(p)))
+        """Ring files of all jobs (regular files only: a FIFO would hang the read), sorted by job folder
+        then rank."""
+        found = [path for path in self.trace_dir.glob("*/rank-*.trace") if is_regular(path)]
+        return sorted(found, key=lambda p: (p.parent.name, _rank_of(p)))
 
     def collect(self) -> Iterator[Metric]:
         now = self.clock()

@@ -169,7 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--hidden", type=int, default=256, help="MLP hidden size, split over TP")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
-    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="collective timeout in seconds (default 600: an injected hang lasts past MegatraceRankHang's "
+        "for: 2m before the ranks give up)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrace.regular_files import open_regular
+
 FORMAT_VERSION = 1
 MAGIC = b"MEGATRC\x00"
 HEADER_SIZE = 4096
@@ -239,8 +241,13 @@ class RingWriter:
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.ftruncate(fd, size)
+            # Reserve every block now: a sparse file on a full filesystem (often a tmpfs) would kill
+            # the rank with SIGBUS at the first store into an unbacked page; this raises ENOSPC instead.
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        except OSError:
+            os.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         self.header = memoryview(self._map)[:HEADER_SIZE].cast("q")
@@ -327,7 +334,7 @@ def writer_holds_lock(path: str | Path) -> bool | None:
     waits and never disturbs the writer. Meaningful for files whose header has `writer_locks`.
     """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     except OSError:
         return None
     try:
@@ -394,7 +401,7 @@ def read_header(path: str | Path) -> RingHeader:
     """Only the header of a ring file (cheap: one 4 KiB read), e.g. for the exporter's counters."""
     path = Path(path)
     try:
-        with open(path, "rb") as handle:
+        with open(open_regular(path), "rb") as handle:
             raw = handle.read(HEADER_SIZE)
     except OSError as exc:
         raise RingFormatError(f"{path}: cannot read: {exc.strerror or exc}") from exc

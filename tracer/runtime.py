@@ -28,8 +28,8 @@ from megatrace.tracer.settings import (
     FaultSettings,
     TraceSettings,
     fault_settings,
+    job_trace_dir,
     trace_settings,
-    writable_trace_dir,
 )
 from megatrace.tracer.watchdog import Watchdog
 
@@ -58,14 +58,34 @@ class Tracer:
         self.futureless: set[int] = set()
         self.explicit_steps = False
         self.originals: dict[str, Callable] = {}
-        self.job_dir = writable_trace_dir(settings.dir) / settings.job
+        job_dir = job_trace_dir(settings.dir, settings.job)
+        if job_dir is None:
+            raise OSError(f"neither {settings.dir}/{settings.job} nor a temp-dir fallback can be written")
+        self.job_dir = job_dir
+        self.disabled = False  # set when the ring cannot be opened: the rank then runs untraced
         self._open_lock = threading.Lock()
         self._step_hook: Any = None
 
     def open_ring(self) -> Recorder | None:
-        """Open this rank's ring file once the default process group exists; the recorder or None."""
-        if self.recorder is not None or not dist.is_initialized():
+        """Open this rank's ring file once the default process group exists; the recorder or None.
+        A ring that cannot be created (full or read-only filesystem) leaves the rank untraced, said
+        once on stderr: tracing never stops training."""
+        if self.recorder is not None or self.disabled or not dist.is_initialized():
             return self.recorder
+        try:
+            return self._open_ring()
+        except OSError as exc:
+            self.disabled = True
+            where = exc.filename or self.job_dir
+            print(
+                f"megatrace tracer: not tracing this rank: cannot create its ring file in {where}: "
+                f"{exc.strerror or exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
+
+    def _open_ring(self) -> Recorder | None:
         with self._open_lock:
             if self.recorder is not None:
                 return self.recorder
@@ -219,7 +239,11 @@ def install(settings: TraceSettings | None = None, faults: FaultSettings | None 
             return False
         if not settings.enable or not dist.is_available():
             return False
-        tracer = Tracer(settings, faults)
+        try:
+            tracer = Tracer(settings, faults)
+        except OSError as exc:
+            print(f"megatrace tracer: not tracing: {exc}", file=sys.stderr, flush=True)
+            return False
         tracer.originals.update(wrappers.patch(tracer))
         _wrap_lifecycle(tracer)
         atexit.register(tracer.at_exit)

@@ -97,18 +97,27 @@ def enabled_in(environ: Mapping[str, str]) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
-def writable_trace_dir(configured: str) -> Path:
-    """`configured` if it can be created and written, else a folder in the system temp dir."""
-    path = Path(configured)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK | os.X_OK):
+def job_trace_dir(configured: str, job: str) -> Path | None:
+    """The job's trace folder: `configured`/`job` if it is (or can be made) a writable folder, else
+    ``<temp dir>/megatrace/<job>``; None when neither can be (the caller then does not trace)."""
+    for base in (lambda: Path(configured), lambda: Path(tempfile.gettempdir()) / "megatrace"):
+        try:
+            path = base() / job
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:  # read-only, no permission, `job` exists there as a file, no temp dir at all
+            continue
+        if os.access(path, os.W_OK | os.X_OK) and _can_create_in(path):
             return path
+    return None
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be created in `folder` (a read-only mount refuses even root)."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
     except OSError:
-        pass
-    fallback = Path(tempfile.gettempdir()) / "megatrace"
-    fallback.mkdir(parents=True, exist_ok=True)
-    return fallback
+        return False
 
 
 __all__ = [
@@ -118,7 +127,7 @@ __all__ = [
     "default_job",
     "enabled_in",
     "fault_settings",
+    "job_trace_dir",
     "safe_job_name",
     "trace_settings",
-    "writable_trace_dir",
 ]

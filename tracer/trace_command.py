@@ -3,20 +3,28 @@
 Sets the tracer's environment and puts a generated ``sitecustomize.py`` first on PYTHONPATH, so every
 Python process the command starts (torchrun workers included) installs the tracer once it imports
 torch; the training script needs no change. Returns the command's exit status.
+
+Tracing never stops training: bad ``MEGATRACE_TRACE_*``/``MEGATRACE_FAULT_*`` values, or no trace
+folder that can be written, are a loud warning and the command runs untraced (``--strict`` refuses to
+start it instead, exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
+from megatrace.config import ConfigError
 from megatrace.tracer.autoload import SITECUSTOMIZE
-from megatrace.tracer.settings import fault_settings, trace_settings, writable_trace_dir
+from megatrace.tracer.ringfile import DEFAULT_CAPACITY
+from megatrace.tracer.settings import fault_settings, job_trace_dir, trace_settings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,10 +37,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--trace-dir", help="folder for <job>/rank-N.trace (env MEGATRACE_TRACE_DIR)")
     parser.add_argument("--job", help="job id (default: torchrun run id, Slurm job id, else 'local')")
-    parser.add_argument("--stall-ms", type=int, help="stall sensitivity in ms (default 3000)")
-    parser.add_argument("--capacity", type=int, help="records kept per rank (ring size)")
+    parser.add_argument(
+        "--stall-ms", type=_at_least(1, "--stall-ms"), help="stall sensitivity in ms (default 3000)"
+    )
+    parser.add_argument(
+        "--capacity",
+        type=_at_least(16, "--capacity"),
+        help=f"records kept per rank (ring size, default {DEFAULT_CAPACITY})",
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse to start the command when the tracer's settings are bad (default: run it untraced)",
+    )
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the command to run")
     parser.set_defaults(func=run)
+
+
+def _at_least(low: int, flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag}: must be at least {low}, got {value}")
+        return value
+
+    return parse
 
 
 def command_env(args: argparse.Namespace, site_dir: Path, environ: dict[str, str]) -> dict[str, str]:
@@ -52,6 +84,21 @@ def command_env(args: argparse.Namespace, site_dir: Path, environ: dict[str, str
     return env
 
 
+def tracing_problem(env: dict[str, str]) -> str | None:
+    """Why the command cannot be traced with `env` (bad settings, no writable folder); None when it
+    can, after saying where it traces to."""
+    try:
+        settings = trace_settings(env)
+        fault_settings(env)
+    except ConfigError as exc:
+        return f"bad tracer settings: {exc}"
+    job_dir = job_trace_dir(settings.dir, settings.job)
+    if job_dir is None:
+        return f"no writable trace folder ({settings.dir}/{settings.job}, nor one in the temp dir)"
+    print(f"megatrace trace: tracing into {job_dir}", file=sys.stderr, flush=True)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -60,13 +107,26 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if shutil.which(cmd[0]) is None:  # say so before anything is created on disk
+        print(f"megatrace trace: cannot run {cmd[0]!r}: command not found", file=sys.stderr)
+        return 127
     with tempfile.TemporaryDirectory(prefix="megatrace-site-") as site:
         env = command_env(args, Path(site), dict(os.environ))
-        settings = trace_settings(env)  # ConfigError here: the CLI reports it and exits 2
-        fault_settings(env)
-        (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
-        job_dir = writable_trace_dir(settings.dir) / settings.job
-        print(f"megatrace trace: tracing into {job_dir}", file=sys.stderr, flush=True)
+        problem = tracing_problem(env)
+        if problem is not None and args.strict:
+            print(f"megatrace trace: {problem} (--strict: not starting the command)", file=sys.stderr)
+            return 2
+        if problem is not None:
+            print(
+                f"megatrace trace: WARNING: NOT TRACING: {problem}; the command runs untraced "
+                "(--strict refuses to start it instead)",
+                file=sys.stderr,
+                flush=True,
+            )
+            env["MEGATRACE_TRACE_ENABLE"] = "0"
+            env["NCCL_MEGATRACE_ENABLE"] = "0"
+        else:
+            (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
         try:
             proc = subprocess.Popen(cmd, env=env)
         except OSError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,15 @@ def config(tmp_path: Path, **sections: Any) -> AlertbotConfig:
     for key, value in sections.items():
         data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
     return check(validate(AlertbotConfig, data, "test"), "test")
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `predicate` until it holds; TimeoutError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout}s")
+        time.sleep(0.05)
 
 
 def fingerprint(labels: dict[str, str]) -> str:

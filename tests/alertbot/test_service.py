@@ -17,7 +17,7 @@ import yaml
 
 from megatrace.alertbot.payload import format_time
 from megatrace.alertbot.service import Service
-from tests.alertbot.conftest import TOKEN, alert, config, webhook
+from tests.alertbot.conftest import TOKEN, alert, config, wait_until, webhook
 from tests.support.feishu_server import FeishuServer
 from tests.support.services import alertmanager_argv, free_port, running
 
@@ -36,14 +36,6 @@ def service(tmp_path: Path) -> Iterator[Service]:
 
 def url(bot: Service, path: str) -> str:
     return f"http://127.0.0.1:{bot.port}{path}"
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached in {timeout}s")
-        time.sleep(0.1)
 
 
 def console_lines(bot_cfg_path: Path) -> list[dict]:
@@ -126,7 +118,8 @@ def test_health_metrics_and_console_delivery(service: Service) -> None:
     assert line["channel"] == "console" and line["msg_type"] == "interactive"
     assert line["card"]["header"]["title"]["content"].startswith("[P0] FIRING")
     health = requests.get(url(service, "/healthz"), timeout=5)
-    assert health.status_code == 200 and health.json() == {"status": "ok", "queue": 0, "dead": 0}
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "queue": 0, "dead": 0, "quarantined": 0}
     metrics = requests.get(url(service, "/metrics"), timeout=5).text
     assert "megatrace_alertbot_alerts_received_total 2.0" in metrics
     assert "megatrace_alertbot_alerts_deduplicated_total 1.0" in metrics

@@ -7,11 +7,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from megatrace import stack
 from megatrace.config import load_config
 from megatrace.stack import Running, StackError, down, is_ours, read_state, status, stop, up
 from megatrace.stack_config import StackConfig
@@ -87,11 +90,48 @@ def test_a_part_that_cannot_start_is_reported_and_the_rest_stopped(tmp_path: Pat
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         config = _config(tmp_path, alertmanager=taken.getsockname()[1])
-        with pytest.raises(StackError, match=r"alertmanager exited with status \d+ while starting") as exc:
+        with pytest.raises(StackError, match=r"alertmanager: 127\.0\.0\.1:\d+ is already in use") as exc:
             up(config, say=lambda line: None)
-    assert "address already in use" in str(exc.value)
+    assert "address already in use" in str(exc.value) and "ports.alertmanager" in str(exc.value)
     assert read_state(Path(config.state_dir)) == []
     assert not [part for part in status(config) if part.running]
+
+
+class AnswersEverything(BaseHTTPRequestHandler):
+    """Another stack's part: answers 200 on any path."""
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "3")
+        self.end_headers()
+        self.wfile.write(b"ok\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["taken-before-up", "taken-while-starting"])
+def test_a_port_another_stack_serves_is_named_not_reported_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, race: bool
+) -> None:
+    other = ThreadingHTTPServer(("127.0.0.1", 0), AnswersEverything)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    config = _config(tmp_path, exporter=port)
+    if race:  # the port was free when checked and taken before the exporter bound it
+        monkeypatch.setattr(stack, "port_in_use", lambda host, port: False)
+    said: list[str] = []
+    try:
+        with pytest.raises(StackError) as exc:
+            up(config, say=said.append)
+        assert f"exporter: 127.0.0.1:{port} is already in use" in str(exc.value)
+        assert "ports.exporter" in str(exc.value)
+        assert said == []
+        assert read_state(Path(config.state_dir)) == []
+    finally:
+        down(config)
+        other.shutdown()
+        other.server_close()
 
 
 def test_down_leaves_processes_it_did_not_start(tmp_path: Path) -> None:

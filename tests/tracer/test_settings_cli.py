@@ -63,9 +63,9 @@ def test_trace_command_needs_a_command(capsys: pytest.CaptureFixture[str]) -> No
     assert "no command given" in capsys.readouterr().err
 
 
-def test_trace_command_rejects_bad_settings(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_trace_command_rejects_bad_settings_when_strict(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setenv("MEGATRACE_TRACE_CAPACITY", "many")
-    assert main(["trace", "--", sys.executable, "-c", "pass"]) == 2
+    assert main(["trace", "--strict", "--", sys.executable, "-c", "pass"]) == 2
     assert "capacity" in capsys.readouterr().err
 
 
