@@ -87,6 +87,9 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     has_comp = np.zeros(max(table.world_size, 1), dtype=bool)
     for rank, info in table.ranks.items():
         has_comp[rank] = info.has_completion and not info.finished
+    # a call still open in a rank's last snapshot was open until the job was last seen at all: a rank
+    # that froze or died with it leaves no later sign of its own
+    job_end = max((info.observed_until_ns for info in table.ranks.values()), default=0)
     if n:
         pending = (cols["complete_ns"] == 0) & has_comp[cols["rank"]]
         rows = np.flatnonzero(pending)
@@ -96,7 +99,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         for row in order[first].tolist():
             rank = int(cols["rank"][row])
             comm = int(cols["comm"][row])
-            age = (table.ranks[rank].observed_until_ns - int(cols["enqueue_ns"][row])) / 1e9
+            age = (job_end - int(cols["enqueue_ns"][row])) / 1e9
             if age >= stall_s and _usable(table, comm):
                 blocked[rank] = (comm, int(cols["seq"][row]))
                 pending_age[rank] = age
@@ -209,23 +212,38 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         if set(ranks) >= set(members):
             op = OPS[_op_at(table, ranks[0], comm, seq)]
             age = max(pending_age.get(r, 0.0) for r in ranks)
-            for m in members:
+            silent = _fell_silent(table, members, stall_s)
+            for m in sorted(members, key=lambda m: (m not in silent, m)):
+                what = (
+                    f"rank {m}'s tracer fell silent {silent[m]:.1f} s before its peers' while all "
+                    f"{len(members)} members of {_label(table, comm)} sat in {op} #{seq}: the process "
+                    "stopped inside the call (frozen, or stuck in a kernel or driver)."
+                    if m in silent
+                    else f"all {len(members)} members of {_label(table, comm)} entered {op} #{seq} and "
+                    f"none completed it in {age:.1f} s: the communication itself is stuck "
+                    "(network/NCCL), no rank is missing."
+                )
+                confidence = 0.8 if m in silent else 0.5 + 0.4 / len(members) - (0.2 if silent else 0.0)
                 suspects.append(
-                    HangSuspect(
-                        m,
-                        round(0.5 + 0.4 / len(members), 2),
-                        f"all {len(members)} members of {_label(table, comm)} entered {op} #{seq} and none "
-                        f"completed it in {age:.1f} s: the communication itself is stuck (network/NCCL), "
-                        "no rank is missing.",
-                        "communication_stuck",
-                        group=members,
-                    )
+                    HangSuspect(m, round(confidence, 2), what, "communication_stuck", group=members)
                 )
     if not suspects and waits:
         suspects.extend(_deadlock(table, waits, blocked))
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
     return HangResult(suspects, victims, blocked, notes)
+
+
+def _fell_silent(table: TraceTable, members: tuple[int, ...], stall_s: float) -> dict[int, float]:
+    """Members whose last sign of life (record, header update or stall dump) came more than the stall
+    threshold (at least 1 s) before the others': rank -> how much earlier, in seconds. A rank blocked in a
+    call keeps its tracer's watchdog running (it writes a stall dump); a frozen process writes nothing."""
+    seen = {m: table.ranks[m].observed_until_ns for m in members if m in table.ranks}
+    if len(seen) < 2:
+        return {}
+    latest = float(np.median(list(seen.values())))
+    margin = max(stall_s, 1.0) * 1e9
+    return {m: (latest - t) / 1e9 for m, t in seen.items() if latest - t > margin}
 
 
 def _cut_at_the_end(

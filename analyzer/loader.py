@@ -17,6 +17,7 @@ from megatrace.analyzer.progress import Progress
 from megatrace.analyzer.reader import Reader, ReaderError
 from megatrace.analyzer.readers import READERS, detect
 from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
+from megatrace.regular_files import open_regular
 
 HEAD_BYTES = 4096
 
@@ -77,10 +78,8 @@ def _regular(path: Path, report: LoadReport) -> bool:
 
 def _head(path: Path) -> bytes:
     """The first bytes of a regular file, opened without blocking (it may have become a FIFO since)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    fd = open_regular(path)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(0, "not a regular file")
         return os.read(fd, HEAD_BYTES)
     finally:
         os.close(fd)

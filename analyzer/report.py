@@ -62,12 +62,6 @@ def build_report(
             f"rank(s) {_short_list(stuck)} are stuck in calls that never completed, but the logs do not "
             "show which rank they wait for"
         )
-    elif verdict == "healthy" and not slow.measured:
-        verdict = "inconclusive"
-        notes.append(
-            "no communicator has enough collectives logged by all its members to compare arrivals: "
-            "too little to call the job healthy"
-        )
     return {
         "verdict": verdict,
         "suspects": suspects,

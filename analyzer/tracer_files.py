@@ -120,8 +120,9 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
 def _parse_ring(path: Path) -> Parsed:
     snapshot = read_ring_file(path)
     calls = snapshot_calls(snapshot, str(path), "ring")
-    if not (snapshot.header.writer_locks and writer_holds_lock(path)):
+    if snapshot.header.writer_locks and not writer_holds_lock(path):
         # the writer is gone: the trace ends at the rank's last sign of life, not at the time of reading
+        # (a writer that keeps no lock cannot be told alive or dead: its trace is taken as of now)
         header, rec = snapshot.header, snapshot.records
         last = [header.last_enqueue_ns, header.last_complete_ns, header.last_step_end_ns]
         last.append(header.start_time_ns)

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from megatrace.analyzer import analyze
-from tests.support import scenarios as S
 from megatrace.analyzer.layout import LayoutConfig
+from tests.support import scenarios as S
 
 WORLDS = [(8, 2, 1), (16, 2, 2), (32, 4, 2), (64, 8, 2), (128, 8, 4), (512, 8, 4)]
 LARGE = (4096, 8, 8)

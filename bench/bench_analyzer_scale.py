@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.support import scenarios as S
 from megatrace.analyzer.hang import detect_hang
 from megatrace.analyzer.layout import LayoutConfig, resolve
 from megatrace.analyzer.loader import load
 from megatrace.analyzer.nccl_log import read_nccl_log
 from megatrace.analyzer.slow import detect_slow
+from tests.support import scenarios as S
 
 TP, LAYERS, TEMPLATE_STEPS = 8, 4, 12
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from megatrace.analyzer import analyze
-from tests.support import scenarios as S
 from megatrace.analyzer.layout import LayoutConfig, LayoutError, resolve
 from megatrace.analyzer.nccl_log import _fast_fields, parse_nccl_bytes
 from megatrace.analyzer.progress import Progress
 from megatrace.cli import main
+from tests.support import scenarios as S
 
 LINE = (
     "[save_count 5] [1755877674.248008482] [Rank 3] Fun AllReduce Data 25165824 stream 0x562a9d0b5020 "

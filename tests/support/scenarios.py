@@ -23,6 +23,7 @@ from megatrace.tracer.ringfile import (
     OP_CODES,
     RECORD_DTYPE,
     W_CALLS_BY_OP,
+    W_WRITER_FLAGS,
     RankIdentity,
     RingWriter,
     comm_id,
@@ -289,6 +290,10 @@ def write_ring_files(
         for code in np.flatnonzero(calls).tolist():
             writer.header[W_CALLS_BY_OP + code] = int(calls[code])
         writer.close()
+        # a snapshot of a job still running: no lock flag, so readers take the trace as of now
+        with open(path, "r+b") as handle:
+            handle.seek(W_WRITER_FLAGS * 8)
+            handle.write((0).to_bytes(8, "little"))
         end = trace.end_ns + (repeat - 1) * period
         os.utime(path, ns=(end, end))
         paths.append(path)
