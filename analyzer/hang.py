@@ -39,6 +39,9 @@ class HangResult:
     victims: list[int]
     blocked_at: dict[int, tuple[int, int]]  # rank -> (comm, seq)
     notes: list[str]
+    # ranks that made no call for a long while before their traces end (longer than the stall threshold
+    # and 20 of their usual gaps), though none is open: they wait somewhere the traces do not show
+    silent: dict[int, float] = field(default_factory=dict)
 
 
 def last_seq_per_member(table: TraceTable) -> dict[tuple[int, int], int]:
@@ -231,7 +234,22 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         suspects.extend(_deadlock(table, waits, blocked))
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
-    return HangResult(suspects, victims, blocked, notes)
+    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s))
+
+
+def _silent_ranks(table: TraceTable, stall_s: float) -> dict[int, float]:
+    """rank -> seconds between its last call and the end of its trace, where that is far too long."""
+    out = {}
+    for rank, info in table.ranks.items():
+        lo, hi = table.rank_span(rank)
+        if info.finished or hi == lo:
+            continue
+        times = np.sort(table["enqueue_ns"][lo:hi])
+        gap = float(np.median(np.diff(times))) if hi - lo > 2 else 0.0
+        quiet = info.observed_until_ns - int(times[-1])
+        if quiet > max(stall_s * 1e9, 20 * gap):
+            out[rank] = quiet / 1e9
+    return out
 
 
 def _fell_silent(table: TraceTable, members: tuple[int, ...], stall_s: float) -> dict[int, float]:

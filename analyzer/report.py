@@ -62,6 +62,14 @@ def build_report(
             f"rank(s) {_short_list(stuck)} are stuck in calls that never completed, but the logs do not "
             "show which rank they wait for"
         )
+    elif verdict == "healthy" and len(hang.silent) * 2 >= len(table.ranks):
+        verdict = "inconclusive"
+        quiet = sorted(hang.silent)
+        notes.append(
+            f"rank(s) {_short_list(quiet)} made no traced call for {min(hang.silent.values()):.0f} s or more "
+            "before their traces end, with no call open: they wait where the traces do not show (a call "
+            "the trace format does not record, or compute)"
+        )
     return {
         "verdict": verdict,
         "suspects": suspects,

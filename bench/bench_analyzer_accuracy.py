@@ -1,20 +1,37 @@
-"""Accuracy bench: simulated jobs with known faults, written to disk and analyzed; prints precision/recall/F1.
+"""Accuracy bench: the analyzer's verdicts scored per data source, each printed as its own table.
 
-Usage: python bench/bench_analyzer_accuracy.py [--scenarios N] [--max-world W] [--seed S]
-The default run (200 scenarios, worlds 8 to 4096) takes a few minutes on 2 cores.
+Usage: python bench/bench_analyzer_accuracy.py [--corpus DIR [--record]] [--megatrace-sample DIR]
+                                                [--scenarios N] [--max-world W] [--seed S]
+
+Sources, each scored apart (a figure on the simulator the code was tuned to proves little alone):
+- ``simulator``: the project's own simulated jobs (tests/support/scenarios.py), 4 formats;
+- ``real runs, ring``: real gloo jobs of the corpus (bench/corpus.py) read from our tracer's files;
+- ``real runs, Flight Recorder``: the same runs read from the dumps torch itself wrote;
+- ``Megatrace sample``: Megatrace's published 8-rank log_rank2_slow logs (rank 2 slow), fetched by the
+  user from the public sii-research/Megatrace repository (trace/analysis/logs/log_rank2_slow).
+Real runs are scored twice, without layout flags and with the layout the run used; a run whose
+verdict changes between the two is counted. Per source: hang and slow precision/recall/F1 (a hit is
+the right verdict with the culprit ranked first), top-1 culprit accuracy over faulty runs, and false
+verdicts on healthy runs. `--record` records the corpus first (runs already recorded are kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
+import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrace.analyzer import analyze
 from megatrace.analyzer.layout import LayoutConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from tests.support import scenarios as S
 
 WORLDS = [(8, 2, 1), (16, 2, 2), (32, 4, 2), (64, 8, 2), (128, 8, 4), (512, 8, 4)]
@@ -59,49 +76,126 @@ def run_one(i: int, kind: str, sc: S.Scenario, tmp: Path) -> tuple[dict, set[int
     return report, trace.truth_slow if kind == "slow" else trace.truth_hang, fmt
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--scenarios", type=int, default=200)
-    parser.add_argument("--max-world", type=int, default=4096)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--verbose", action="store_true", help="print every scenario with a wrong answer")
-    args = parser.parse_args()
+@dataclass
+class Score:
+    """Answers of one data source, against the truth."""
+
+    name: str
+    counts: dict[str, list[int]] = field(default_factory=lambda: {"hang": [0, 0, 0], "slow": [0, 0, 0]})
+    faulty: int = 0
+    top1: int = 0
+    healthy: int = 0
+    false_on_healthy: int = 0
+    runs: int = 0
+    changed_by_flags: int = 0
+    wrong: list[str] = field(default_factory=list)
+
+    def add(self, label: str, report: dict, kind: str, culprits: set[int]) -> None:
+        """`kind`: healthy, hang or slow; `culprits`: the ranks to blame (empty when healthy)."""
+        self.runs += 1
+        verdict = report["verdict"]
+        top = report["suspects"][0]["rank"] if report["suspects"] else None
+        if kind == "healthy":
+            self.healthy += 1
+            if verdict != "healthy":
+                self.false_on_healthy += 1
+                self.wrong.append(f"{label}: healthy read as {verdict} {top}")
+            if verdict in self.counts:
+                self.counts[verdict][1] += 1
+            return
+        self.faulty += 1
+        hit = verdict == kind and top in culprits
+        self.top1 += top in culprits
+        if hit:
+            self.counts[kind][0] += 1
+            return
+        self.wrong.append(f"{label}: {kind} {sorted(culprits)} read as {verdict} {top}")
+        self.counts[kind][2] += 1
+        if verdict in self.counts:
+            self.counts[verdict][1] += 1
+
+    def print(self) -> None:
+        print(f"== {self.name}: {self.runs} runs ({self.faulty} faulty, {self.healthy} healthy)")
+        for kind, (tp, fp, fn) in self.counts.items():
+            p = tp / (tp + fp) if tp + fp else 1.0
+            r = tp / (tp + fn) if tp + fn else 1.0
+            f1 = 2 * p * r / (p + r) if p + r else 0.0
+            print(f"   {kind}: precision {p:.3f} recall {r:.3f} F1 {f1:.3f} (tp {tp}, fp {fp}, fn {fn})")
+        if self.faulty:
+            print(f"   top-1 culprit: {self.top1}/{self.faulty} = {self.top1 / self.faulty:.3f}")
+        print(f"   false verdicts on healthy runs: {self.false_on_healthy}/{self.healthy}")
+        if self.changed_by_flags:
+            print(f"   verdict changed by giving the layout: {self.changed_by_flags} run(s)")
+
+
+def score_simulator(args: argparse.Namespace) -> Score:
+    """The project's own simulator: `args.scenarios` scenarios (healthy, slow, hang, stuck in turn)."""
+    score = Score(f"simulator ({args.scenarios} scenarios, worlds up to {args.max_world})")
     rng = random.Random(args.seed)
-    counts = {k: [0, 0, 0] for k in ("hang", "slow", "slow>=10%")}  # tp, fp, fn
-    false_verdicts = [0, 0]  # faulty scenarios, healthy scenarios
-    formats: dict[str, int] = {}
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.scenarios):
             kind, sc = make(rng, i, args.max_world)
             report, truth, fmt = run_one(i, kind, sc, Path(tmp))
-            formats[fmt] = formats.get(fmt, 0) + 1
-            got = {s["rank"] for s in report["suspects"]}
             expected = {"healthy": "healthy", "slow": "slow"}.get(kind, "hang")
-            wrong_verdict = report["verdict"] != expected
-            false_verdicts[kind == "healthy"] += wrong_verdict
-            if args.verbose and (wrong_verdict or got != truth):
-                print(f"#{i} {kind} {fmt} {sc}: verdict {report['verdict']}, named {sorted(got)[:12]}, "
-                      f"truth {sorted(truth)[:12]}")  # fmt: skip
-            if kind == "healthy":
-                continue
-            key = "slow" if kind == "slow" else "hang"
-            keys = [key] + (["slow>=10%"] if kind == "slow" and min(sc.slow.values()) >= 0.1 else [])
-            for k in keys:
-                counts[k][0] += len(got & truth)
-                counts[k][1] += len(got - truth)
-                counts[k][2] += len(truth - got)
-    print(
-        f"{args.scenarios} scenarios, worlds up to {args.max_world}, formats {formats}, "
-        f"{time.perf_counter() - started:.0f} s"
+            score.add(f"#{i} {fmt}", report, expected, set(truth))
+    return score
+
+
+def score_corpus(root: Path) -> tuple[Score, Score]:
+    """Every recorded run of the corpus, from our ring files and from torch's Flight Recorder dumps."""
+    ring, fr = Score("real runs, our tracer's ring files"), Score("real runs, Flight Recorder dumps by torch")
+    for run in sorted(p for p in root.iterdir() if (p / "done").exists()):
+        label = json.loads((run / "label.json").read_text())
+        kind = "healthy" if label["fault"] == "none" else label["fault"].split("-")[0]
+        culprits = set() if kind == "healthy" else {label["rank"]}
+        layout = LayoutConfig(world_size=label["world"], tp=label["tp"], pp=label["pp"])
+        for score, path in ((ring, run / "trace" / run.name), (fr, run / "fr")):
+            report = analyze([path])
+            given = analyze([path], layout)
+            score.add(f"{run.name} (no flags)", report, kind, culprits)
+            score.changed_by_flags += report["verdict"] != given["verdict"]
+    return ring, fr
+
+
+def score_megatrace_sample(folder: Path) -> Score:
+    """Megatrace's published sample, rank 2 slowed: read with and without the layout it ran with."""
+    score = Score("Megatrace's published sample (log_rank2_slow)")
+    for label, layout in (("no flags", None), ("--tp 2 --pp 4", LayoutConfig(tp=2, pp=4))):
+        score.add(label, analyze([folder], layout), "slow", {2})
+    return score
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    for k, (tp, fp, fn) in counts.items():
-        p = tp / (tp + fp) if tp + fp else 1.0
-        r = tp / (tp + fn) if tp + fn else 1.0
-        f1 = 2 * p * r / (p + r) if p + r else 0.0
-        print(f"{k:>10}: precision {p:.3f} recall {r:.3f} F1 {f1:.3f} (tp {tp}, fp {fp}, fn {fn})")
-    print(f"healthy scenarios with a false verdict: {false_verdicts[1]}")
-    print(f"faulty scenarios with a wrong or missing verdict: {false_verdicts[0]}")
+    parser.add_argument("--scenarios", type=int, default=200, help="simulated scenarios (0: none)")
+    parser.add_argument("--max-world", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--corpus", type=Path, help="folder of the real-run corpus (bench/corpus.py)")
+    parser.add_argument("--record", action="store_true", help="record the corpus's missing runs first")
+    parser.add_argument("--megatrace-sample", type=Path, help="folder of Megatrace's log_rank2_slow logs")
+    parser.add_argument("--verbose", action="store_true", help="print every wrong answer")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    scores = []
+    if args.corpus and args.record:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import corpus
+
+        corpus.main(["--out", str(args.corpus)])
+    if args.scenarios:
+        scores.append(score_simulator(args))
+    if args.corpus:
+        scores.extend(score_corpus(args.corpus))
+    if args.megatrace_sample:
+        scores.append(score_megatrace_sample(args.megatrace_sample))
+    for score in scores:
+        score.print()
+        if args.verbose:
+            for line in score.wrong:
+                print(f"     wrong: {line}")
+    print(f"({time.perf_counter() - started:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +23,9 @@ from megatrace.analyzer.layout import LayoutConfig, resolve
 from megatrace.analyzer.loader import load
 from megatrace.analyzer.nccl_log import read_nccl_log
 from megatrace.analyzer.slow import detect_slow
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from tests.support import scenarios as S
 
 TP, LAYERS, TEMPLATE_STEPS = 8, 4, 12
