@@ -242,7 +242,7 @@ def _silent_ranks(table: TraceTable, stall_s: float) -> dict[int, float]:
     out = {}
     for rank, info in table.ranks.items():
         lo, hi = table.rank_span(rank)
-        if info.finished or hi == lo:
+        if info.finished or info.observed_live or hi == lo:
             continue
         times = np.sort(table["enqueue_ns"][lo:hi])
         gap = float(np.median(np.diff(times))) if hi - lo > 2 else 0.0

@@ -63,6 +63,8 @@ class RankInfo:
     has_completion: bool = False
     finished: bool = False
     observed_until_ns: int = 0
+    # observed_until_ns is the time of reading: the writer is alive, or cannot be told dead
+    observed_live: bool = False
 
 
 @dataclass

@@ -129,6 +129,8 @@ def _parse_ring(path: Path) -> Parsed:
         if len(rec):
             last += [int(rec["enqueue_ns"].max()), int(rec["complete_ns"].max())]
         calls.info.observed_until_ns = max(last)
+    else:
+        calls.info.observed_live = True
     return Parsed(calls)
 
 

@@ -211,7 +211,8 @@ def simulate(sc: Scenario) -> Trace:
         comms=comms,
         truth_hang=truth_hang,
         truth_slow={r for r, s in sc.slow.items() if s > 0},
-        end_ns=T0_NS + int(end) + 30_000_000_000,
+        # a stuck job is looked at 30 s after it stopped; a running one right after its last call
+        end_ns=T0_NS + int(end) + (30_000_000_000 if truth_hang else 50_000_000),
         **cols,
     )
 
