@@ -78,7 +78,7 @@ def plan(runs: int, seed: int = SEED) -> list[Run]:
     return out
 
 
-def record(run: Run, out: Path) -> float:
+def record(run: Run, out: Path, capacity: int = 0) -> float:
     """Record one run under `out`/`run.name`; returns the seconds it took (0 when already there)."""
     folder = out / run.name
     if (folder / "done").exists():
@@ -94,7 +94,7 @@ def record(run: Run, out: Path) -> float:
     ]  # fmt: skip
     argv = [
         sys.executable, "-m", "megatrace.cli", "trace", f"--trace-dir={folder / 'trace'}",
-        f"--job={run.name}", "--stall-ms=1500", "--", *job,
+        f"--job={run.name}", "--stall-ms=1500", *([f"--capacity={capacity}"] if capacity else []), "--", *job,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
@@ -114,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=154, help="runs to plan (22 per class)")
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--only", choices=CLASSES, help="record only runs of this class")
+    parser.add_argument("--limit", type=int, help="record only the first N runs chosen")
+    parser.add_argument(
+        "--capacity", type=int, default=0, help="ring records per rank (default: the tracer's)"
+    )
     args = parser.parse_args(argv)
-    runs = [r for r in plan(args.runs, args.seed) if args.only in (None, r.fault)]
+    runs = [r for r in plan(args.runs, args.seed) if args.only in (None, r.fault)][: args.limit]
     for i, run in enumerate(runs, 1):
-        took = record(run, args.out)
+        took = record(run, args.out, args.capacity)
         print(
             f"[{i}/{len(runs)}] {run.name} world {run.world} tp {run.tp} pp {run.pp}: {took:.0f} s",
             flush=True,

@@ -1,0 +1,74 @@
+"""Recorded real runs (tests/fixtures/real_runs.tar.gz): verdict by verdict, from our ring files and from
+the Flight Recorder dumps torch itself wrote, with and without the layout the run used.
+
+The runs are the first of each fault class in the corpus plan (bench/corpus.py), recorded with small
+rings. Each folder holds ``label.json`` (what was injected where), ``trace/<run>`` (ring files and
+stall dumps) and ``fr`` (torch's dumps: pickles, and JSON for even ranks). The slow-compute run keeps
+only its dumps: its ring files were recorded before the tracer captured DDP's all-reduces, its only
+collectives there.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from megatrace.analyzer import analyze
+from megatrace.analyzer.layout import LayoutConfig
+from megatrace.cli import main
+
+ARCHIVE = Path(__file__).parents[1] / "fixtures" / "real_runs.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("real_runs")
+    with tarfile.open(ARCHIVE) as archive:
+        archive.extractall(root, filter="data")
+    return root
+
+
+def _cases() -> list[tuple[str, str]]:
+    with tarfile.open(ARCHIVE) as archive:
+        parts = [[p for p in Path(m.name).parts if p != "."] for m in archive.getmembers()]
+    names = {tuple(p[:2]) for p in parts if len(p) > 2}
+    return sorted(
+        (run, "ring" if source == "trace" else "fr") for run, source in names if source in ("trace", "fr")
+    )
+
+
+@pytest.mark.parametrize(("run", "source"), _cases())
+def test_recorded_run_reads_as_injected(runs, run, source):
+    folder = runs / run
+    label = json.loads((folder / "label.json").read_text())
+    path = folder / ("trace" if source == "ring" else "fr")
+    expected = "healthy" if label["fault"] == "none" else label["fault"].split("-")[0]
+    layout = LayoutConfig(world_size=label["world"], tp=label["tp"], pp=label["pp"])
+    for report in (analyze([path]), analyze([path], layout)):
+        assert report["verdict"] == expected, (run, source, report["suspects"][:2], report["notes"][-2:])
+        if expected != "healthy":
+            top = report["suspects"][0]
+            assert (top["rank"], top["kind"]) == (label["rank"], expected)
+            assert 0 < top["confidence"] <= 1 and top["evidence"]
+
+
+def test_hang_in_a_collective_names_the_frozen_rank_first(runs):
+    folder = runs / "002-hang-collective"
+    report = analyze([folder / "trace"])
+    top = report["suspects"][0]
+    assert top["cause"] == "communication_stuck" and "fell silent" in top["evidence"]
+    assert all(s["confidence"] < top["confidence"] for s in report["suspects"][1:])
+
+
+def test_layout_is_read_from_the_traces(runs, capsys):
+    folder = runs / "005-slow-comm"
+    report = analyze([folder / "trace"])
+    assert (report["layout_inferred"]["tp"], report["layout_inferred"]["pp"]) == (2, 4)
+    contradicted = analyze([folder / "trace"], LayoutConfig(tp=4, pp=2))
+    assert any("the layout given (tp 4, dp 1, pp 2)" in note for note in contradicted["notes"])
+    assert contradicted["verdict"] == report["verdict"] == "slow"
+    assert main(["analyze", str(folder / "fr"), "--quiet"]) == 1
+    assert "SLOW: rank 4" in capsys.readouterr().out
