@@ -35,19 +35,27 @@ class LayoutInference:
         }
 
 
-def observed_groups(table: TraceTable) -> set[tuple[int, ...]]:
-    """Member sets of the communicators whose members the traces name (not those the layout assigned)."""
+def observed_groups(table: TraceTable, layout_given: bool = False) -> set[tuple[int, ...]]:
+    """Member sets of the communicators the traces show; with a layout given, not those of hash-less NCCL
+    logs (the layout assigned them, so they cannot test it)."""
     world = table.world_size
     return {
         c.members
         for c in table.comms
-        if not c.p2p and 2 <= len(c.members) < world and not (c.key.startswith("('inferred'"))
+        if not c.p2p
+        and 2 <= len(c.members) < world
+        and not (layout_given and c.key.startswith("('inferred'"))
     }
 
 
 def observed_pairs(table: TraceTable) -> set[tuple[int, int]]:
-    """Ranks that exchange point-to-point transfers (pipeline neighbours in a Megatron job)."""
-    return {c.members for c in table.comms if c.p2p and len(c.members) == 2}
+    """Ranks that exchange point-to-point transfers (pipeline neighbours in a Megatron job); not those of
+    hash-less NCCL logs, whose pairing is itself a guess."""
+    return {
+        c.members
+        for c in table.comms
+        if c.p2p and len(c.members) == 2 and not c.key.startswith("('inferred'")
+    }
 
 
 def _explained(
@@ -86,7 +94,7 @@ def check_given(given: Layout, inferred: LayoutInference, table: TraceTable) -> 
     """A note when the traces contradict the given layout (the inferred one explains more groups)."""
     if inferred.layout is None:
         return None
-    groups = observed_groups(table)
+    groups = observed_groups(table, layout_given=True)
     pairs = {p for p in observed_pairs(table) if max(p) < given.world_size}
     mine = _explained(given, groups, pairs)
     if mine >= inferred.explained:

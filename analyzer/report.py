@@ -9,7 +9,7 @@ import numpy as np
 from megatrace.analyzer.hang import HangResult
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.loader import LoadReport
-from megatrace.analyzer.slow import SlowResult, rank_hosts
+from megatrace.analyzer.slow import SlowResult
 from megatrace.analyzer.table import OPS, TraceTable
 
 CHROME_MAX_EVENTS_PER_RANK = 2000
@@ -18,7 +18,6 @@ CHROME_MAX_EVENTS_PER_RANK = 2000
 def build_report(
     table: TraceTable, load: LoadReport, hang: HangResult, slow: SlowResult, layout: Layout | None
 ) -> dict:
-    hosts = rank_hosts(table, layout) if table.world_size else []
     suspects = []
     hangs = hang.suspects
     notes = [*table.notes, *hang.notes]
@@ -46,8 +45,9 @@ def build_report(
             suspects.append(entry)
     for entry in suspects:
         rank = entry["rank"]
-        if rank < len(hosts):
-            entry["host"] = hosts[rank]
+        info = table.ranks.get(rank)
+        if info is not None and info.host:  # only hosts the logs name: never one made up from a rank number
+            entry["host"] = info.host
         if layout is not None and rank < layout.world_size:
             entry["position"] = layout.describe(rank)
             entry["coords"] = layout.coords(rank)
@@ -122,10 +122,13 @@ def render_text(report: dict) -> str:
     if skew:
         lines.append("clock offsets removed (ms): " + ", ".join(f"{h} {o:+.1f}" for h, o in skew.items()))
     inputs = report["inputs"]
-    lines.append(
-        f"read: {inputs['files_by_format']} — {report['records']} calls, "
-        f"{report['communicators']} communicators"
+    read = (
+        ", ".join(f"{count} {fmt} file(s)" for fmt, count in inputs["files_by_format"].items()) or "nothing"
     )
+    lines.append(f"read: {read} — {report['records']} calls, {report['communicators']} communicators")
+    if report.get("layout_inferred") and report.get("layout") is None:
+        lay = report["layout_inferred"]
+        lines.append(f"layout read from the traces: tp {lay['tp']}, dp {lay['dp']}, pp {lay['pp']}")
     for path, count in inputs["lines_skipped"].items():
         lines.append(f"skipped {count} malformed line(s) in {path}")
     if inputs["duplicates_dropped"]:

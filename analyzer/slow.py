@@ -60,7 +60,8 @@ class SlowResult:
 
 
 def rank_hosts(table: TraceTable, layout: Layout | None) -> list[str]:
-    """Host of every rank: from the logs where known, else the layout's node (8 ranks a node by default)."""
+    """Clock domain of every rank, for skew correction: its host where the logs name it, else its node
+    by the layout (8 ranks a node by default). Reports name only hosts the logs give."""
     per_node = layout.gpus_per_node if layout else 8
     hosts = [f"node{r // per_node}" for r in range(table.world_size)]
     for rank, info in table.ranks.items():
