@@ -11,16 +11,31 @@ from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 
 
 def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = False, stall_s: float = 1.0):
-    """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from."""
-    from megatrace.analyzer.hang import detect_hang
-    from megatrace.analyzer.infer import check_given, infer_layout
-    from megatrace.analyzer.loader import load
-    from megatrace.analyzer.report import build_report
-    from megatrace.analyzer.slow import detect_slow
+    """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from.
+
+    Traces of several jobs under the paths are analyzed job by job: the report then lists each under
+    ``jobs`` and gives the most serious verdict, with every job's suspects (each naming its job).
+    """
+    from megatrace.analyzer.loader import load_jobs
+    from megatrace.analyzer.report import combine_jobs
 
     if isinstance(paths, str | Path):
         paths = [paths]
-    table, loaded = load(list(paths), layout, progress)
+    jobs = load_jobs(list(paths), layout, progress)
+    results = [(job, *_analyze_table(table, loaded, layout, stall_s)) for job, table, loaded in jobs]
+    if len(results) == 1:
+        return results[0][1], results[0][2]
+    report = combine_jobs([(job, report) for job, report, _table in results])
+    worst = next(table for job, rep, table in results if rep["verdict"] == report["verdict"])
+    return report, worst
+
+
+def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s: float):
+    from megatrace.analyzer.hang import detect_hang
+    from megatrace.analyzer.infer import check_given, infer_layout
+    from megatrace.analyzer.report import build_report
+    from megatrace.analyzer.slow import detect_slow
+
     resolved = layout
     if isinstance(layout, LayoutConfig):
         resolved = (

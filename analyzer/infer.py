@@ -79,7 +79,7 @@ def infer_layout(table: TraceTable, gpus_per_node: int = 8) -> LayoutInference:
     for tp in sorted({1, *sizes}):
         if world % tp:
             continue
-        for pp in sorted({1, *sizes}):
+        for pp in sorted({1, *sizes}, reverse=True):  # on a tie: the larger TP, the smaller PP
             if (world // tp) % pp:
                 continue
             layout = resolve(LayoutConfig(world_size=world, tp=tp, pp=pp, gpus_per_node=gpus_per_node))

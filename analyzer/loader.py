@@ -112,18 +112,15 @@ def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
     return reader, parsed.item
 
 
-def load(
-    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
-) -> tuple[TraceTable, LoadReport]:
-    """Read every trace file under `paths` into one `TraceTable`.
-
-    A `LayoutConfig` without a world size is resolved with the highest rank that left a log (it helps
-    to tell communicators apart in NCCL logs); `LayoutError` when the sizes do not fit.
-    """
+def _parse_all(
+    paths: list[str | Path], progress: bool
+) -> tuple[dict[str, dict[str, list[object]]], LoadReport]:
+    """Every readable file under `paths`, parsed: job -> format -> items (our files name their job;
+    other formats name none, job "")."""
     report = LoadReport()
     files = find_files(paths, report)
     bar = Progress(len(files), "loading traces", progress)
-    parsed: dict[str, list[object]] = {}
+    jobs: dict[str, dict[str, list[object]]] = {}
     for path in files:
         got = _read_one(path, report)
         bar.advance()
@@ -131,8 +128,55 @@ def load(
             continue
         reader, item = got
         report.files_by_format[reader.name] = report.files_by_format.get(reader.name, 0) + 1
-        parsed.setdefault(reader.name, []).append(item)
+        job = item.info.job if isinstance(item, RankCalls) else ""
+        jobs.setdefault(job, {}).setdefault(reader.name, []).append(item)
     bar.close()
+    return jobs, report
+
+
+def load_jobs(
+    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
+) -> list[tuple[str, TraceTable, LoadReport]]:
+    """One `TraceTable` per job found under `paths`: a folder holding several jobs' traces (our files
+    name their job) gives several. A `LayoutConfig` without a world size is resolved with the highest
+    rank that left a log; `LayoutError` when the sizes do not fit."""
+    jobs, report = _parse_all(paths, progress)
+    if len(jobs) <= 1:
+        parsed = next(iter(jobs.values()), {})
+        return [(next(iter(jobs), ""), _table(parsed, layout, report), report)]
+    out = []
+    for job in sorted(jobs):
+        job_report = _report_of(report, jobs[job])
+        out.append((job, _table(jobs[job], layout, job_report), job_report))
+    return out
+
+
+def load(
+    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
+) -> tuple[TraceTable, LoadReport]:
+    """Every trace file under `paths` in one `TraceTable`, whatever job each names."""
+    jobs, report = _parse_all(paths, progress)
+    parsed: dict[str, list[object]] = {}
+    for per_format in jobs.values():
+        for fmt, items in per_format.items():
+            parsed.setdefault(fmt, []).extend(items)
+    return _table(parsed, layout, report), report
+
+
+def _report_of(report: LoadReport, parsed: dict[str, list[object]]) -> LoadReport:
+    """The load report of one job: its own file counts, the shared list of what was skipped."""
+    return LoadReport(
+        files_by_format={fmt: len(items) for fmt, items in parsed.items()},
+        lines_skipped=report.lines_skipped,
+        duplicates_dropped=report.duplicates_dropped,
+        ignored=report.ignored,
+        superseded={},
+    )
+
+
+def _table(
+    parsed: dict[str, list[object]], layout: Layout | LayoutConfig | None, report: LoadReport
+) -> TraceTable:
     if isinstance(layout, LayoutConfig):
         seen = [_rank_of(item) for items in parsed.values() for item in items]
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
@@ -147,7 +191,7 @@ def load(
         calls = by_rank[rank][3]
         calls.info.observed_until_ns = seen_until[rank]
         builder.add(calls, calls.info.source)
-    return builder.build(), report
+    return builder.build()
 
 
 def _rank_of(item: object) -> int:

@@ -87,11 +87,36 @@ def build_report(
     }
 
 
+SEVERITY = {"hang": 4, "slow": 3, "inconclusive": 2, "no-data": 1, "healthy": 0}
+
+
+def combine_jobs(reports: list[tuple[str, dict]]) -> dict:
+    """One report for several jobs: the most serious verdict, every job's suspects (naming the job),
+    and each job's own report under ``jobs``."""
+    verdict = max((r["verdict"] for _job, r in reports), key=SEVERITY.__getitem__)
+    suspects = [{**s, "job": job} for job, r in reports for s in r["suspects"]]
+    suspects.sort(key=lambda s: -SEVERITY[s["kind"]])
+    return {
+        "verdict": verdict,
+        "suspects": suspects,
+        "victims": [],
+        "notes": [f"traces of {len(reports)} jobs found; each was analyzed on its own: see jobs"],
+        "jobs": {job: r for job, r in reports},
+        "inputs": reports[0][1]["inputs"],
+    }
+
+
 def _short_list(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
 
 
 def render_text(report: dict) -> str:
+    if "jobs" in report:
+        parts = [
+            f"{len(report['jobs'])} jobs found, each analyzed on its own; most serious: {report['verdict']}"
+        ]
+        parts += [f"\n== job {job or '(unnamed)'} ==\n{render_text(r)}" for job, r in report["jobs"].items()]
+        return "\n".join(parts)
     verdict = report["verdict"]
     suspects = report["suspects"]
     if verdict == "healthy":

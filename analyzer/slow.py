@@ -25,6 +25,8 @@ from megatrace.analyzer.table import TraceTable
 
 MIN_INSTANCES = 8
 MAX_INSTANCES = 20000
+WHOLE_INSTANCES = 1000  # the whole-trace pass looks at the newest ones
+WINDOW_SAMPLE = 256
 WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before it is judged alone
 WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
 MAX_WINDOWS = 12
@@ -246,23 +248,32 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
 
 
 def _time_windows(mats: list) -> list[tuple[str, list]]:
-    """The whole trace, then equal time windows over it when communicators have enough instances for
-    each window to be judged alone; every part keeps the communicators with enough instances in it."""
-    parts: list[tuple[str, list]] = [("", mats)]
+    """The newest `WHOLE_INSTANCES` instances of every communicator, then, when communicators have enough
+    instances for each window to be judged alone, equal time windows over the whole trace (each judged
+    on at most `WINDOW_SAMPLE` consecutive instances of a communicator: the cost stays bounded)."""
+    newest = [
+        (c, m, enq[:, -WHOLE_INSTANCES:], None if d is None else d[:, -WHOLE_INSTANCES:])
+        for c, m, enq, d in mats
+    ]
+    parts: list[tuple[str, list]] = [("", newest)]
     busiest = max((enq.shape[1] for _c, _m, enq, _d in mats), default=0)
     count = min(MAX_WINDOWS, busiest // WINDOW_INSTANCES)
     if count < 2:
         return parts
-    t_lo = min(float(np.nanmin(enq)) for _c, _m, enq, _d in mats)
-    t_hi = max(float(np.nanmax(enq)) for _c, _m, enq, _d in mats)
+    mids = [enq.mean(axis=0) for _c, _m, enq, _d in mats]  # instances are in time order
+    t_lo = min(float(mid[0]) for mid in mids)
+    t_hi = max(float(mid[-1]) for mid in mids)
     edges = np.linspace(t_lo, t_hi, count + 1)
     for lo, hi in itertools.pairwise(edges.tolist()):
         part = []
-        for c, members, enq, done in mats:
-            mid = np.median(enq, axis=0)
-            keep = (mid >= lo) & (mid <= hi)
-            if int(keep.sum()) >= max(MIN_INSTANCES, WINDOW_INSTANCES // 4):
-                part.append((c, members, enq[:, keep], None if done is None else done[:, keep]))
+        for (c, members, enq, done), mid in zip(mats, mids, strict=True):
+            first, last = np.searchsorted(mid, [lo, hi], side="left")
+            if last - first < max(MIN_INSTANCES, WINDOW_INSTANCES // 4):
+                continue
+            # consecutive instances from the window's middle: gaps between them stay the call interval
+            start = max(first, (first + last - WINDOW_SAMPLE) // 2)
+            keep = slice(start, min(last, start + WINDOW_SAMPLE))
+            part.append((c, members, enq[:, keep], None if done is None else done[:, keep]))
         if part:
             label = f"from {(lo - t_lo) / 1e9:.0f} s to {(hi - t_lo) / 1e9:.0f} s of the trace"
             parts.append((label, part))

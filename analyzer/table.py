@@ -58,6 +58,7 @@ class RankInfo:
 
     rank: int
     host: str = ""
+    job: str = ""
     source: str = ""
     fmt: str = ""
     has_completion: bool = False

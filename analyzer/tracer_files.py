@@ -108,6 +108,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     info = RankInfo(
         rank=rank,
         host=header.host,
+        job=header.job,
         source=path,
         fmt=fmt,
         has_completion=True,
