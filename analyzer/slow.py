@@ -26,7 +26,7 @@ from megatrace.analyzer.table import TraceTable
 MIN_INSTANCES = 8
 MAX_INSTANCES = 20000
 WHOLE_INSTANCES = 1000  # the whole-trace pass looks at the newest ones
-WINDOW_SAMPLE = 256
+WINDOW_SAMPLE = 1024
 WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before it is judged alone
 WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
 MAX_WINDOWS = 12
@@ -188,14 +188,15 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
 
 
 def _trails_everywhere(m: int, rnd: _Round) -> bool:
-    """A straggler is clearly late in some communicator and arrives after the median, mostly, in every
-    other one: it waits for no one. (Where its call follows another collective with little compute in
-    between, it is late by less than `MIN_REL`, but still late.) A victim arrives early somewhere."""
+    """A straggler is clearly late in some communicator and, in every other one, arrives after the
+    median at least half the time: it waits for no one. (Where its call follows another collective with
+    little compute in between, it is late by less than `MIN_REL`, but not early.) A victim arrives early
+    where it waits."""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
-    return all(late[c][0] > 0 and late[c][1] >= MIN_PERSISTENCE for c in judged)
+    return all(c in rnd.is_late[m] or (late[c][0] >= 0 and late[c][1] >= 0.5) for c in judged)
 
 
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
