@@ -187,16 +187,17 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
     return _Round(late, is_late, judged, local)
 
 
-def _trails_everywhere(m: int, rnd: _Round) -> bool:
+def _trails_everywhere(m: int, rnd: _Round, not_early: float = MIN_PERSISTENCE) -> bool:
     """A straggler is clearly late in some communicator and, in every other one, arrives after the
-    median at least half the time: it waits for no one. (Where its call follows another collective with
-    little compute in between, it is late by less than `MIN_REL`, but not early.) A victim arrives early
-    where it waits."""
+    median in at least `not_early` of the instances: it waits for no one. (Where its call follows another
+    collective with little compute in between, it is late by less than `MIN_REL`, but not early.) A victim
+    arrives early where it waits. Over the whole trace `not_early` is 70 %; inside one time window, where
+    fewer instances make the share noisier, half (a straggler must then be found in two windows)."""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
-    return all(c in rnd.is_late[m] or (late[c][0] >= 0 and late[c][1] >= 0.5) for c in judged)
+    return all(c in rnd.is_late[m] or (late[c][0] >= 0 and late[c][1] >= not_early) for c in judged)
 
 
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
@@ -228,7 +229,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     whole: set[int] = set()
     first: _Round | None = None
     for window, part in _time_windows(mats):
-        found, rnd = _stragglers(part, hosts, offsets)
+        found, rnd = _stragglers(part, hosts, offsets, 0.5 if window else MIN_PERSISTENCE)
         first = first or rnd
         for suspect in found:
             if window and suspect.relative < WINDOW_MIN_REL:
@@ -281,7 +282,9 @@ def _time_windows(mats: list) -> list[tuple[str, list]]:
     return parts
 
 
-def _stragglers(mats: list, hosts: list[str], offsets: dict[str, float]) -> tuple[list[SlowSuspect], _Round]:
+def _stragglers(
+    mats: list, hosts: list[str], offsets: dict[str, float], not_early: float
+) -> tuple[list[SlowSuspect], _Round]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
     a communicator with a severe one (both late in the same DP group, say) is not hidden behind it."""
@@ -298,7 +301,7 @@ def _stragglers(mats: list, hosts: list[str], offsets: dict[str, float]) -> tupl
                 per_comm[i] = cl
         rnd = _lateness_round(per_comm, hosts)
         first = first or rnd
-        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd)]
+        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd, not_early)]
         if not found:
             break
         stragglers.extend(found)
