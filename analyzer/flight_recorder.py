@@ -5,7 +5,8 @@ Facts this relies on (checked on dumps torch 2.13 wrote from gloo jobs, and torc
 - ``process_group`` is ``(name, desc)``; the name is global (``"0"`` the default group, then one per
   ``new_group`` in creation order, the same on every rank), while ``pg_id`` is a per-rank index;
 - ``pg_config`` gives each group's ranks on NCCL, and is one empty entry on gloo: there the members
-  of a group are the ranks whose dumps hold its entries (the default group: every rank);
+  of a group are the ranks whose dumps hold its entries (the default group: every rank), completed to
+  the layout's group holding them when a layout is given (a rank that left no dump is still a member);
 - ``collective_seq_id`` numbers a group's collectives the same on every member; sends and receives
   (``nccl:send 1->2``, group ranks) are matched by their directed channel and order;
 - ``state`` says ``completed`` with ``time_discovered_completed_ns`` on NCCL; on gloo every entry stays
@@ -137,7 +138,10 @@ def group_members(dumps: list[FlightRecorderDump], layout: Layout | None) -> dic
         for entry in dump.data.get("entries") or []:
             members[_group_name(entry)].add(dump.rank)
     world = max([d.rank for d in dumps] + [layout.world_size - 1 if layout else -1]) + 1
-    out = {name: tuple(sorted(ranks)) for name, ranks in members.items()}
+    out = {
+        name: layout.group_holding(ranks, single=True) if layout is not None else tuple(sorted(ranks))
+        for name, ranks in members.items()
+    }
     out[DEFAULT_GROUP] = tuple(range(world))
     out.update(configured)
     return out

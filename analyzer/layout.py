@@ -71,6 +71,21 @@ class Layout:
             seen.setdefault(self.group(rank, dim), None)
         return sorted(seen)
 
+    def group_holding(self, seen: set[int], single: bool = False) -> tuple[int, ...]:
+        """The smallest group of any dimension holding every rank seen using a communicator (ranks that
+        never reached it, or left no log, are missing from what the logs show); the ranks seen when no
+        group holds them, or when one rank alone was seen and `single` is false (a one-rank group, say a
+        DP group of size 1, is not to be merged into another)."""
+        rank = min(seen)
+        holding = [
+            self.group(rank, dim)
+            for dim in DIMS
+            if self.sizes[dim] > 1 and rank < self.world_size and seen <= set(self.group(rank, dim))
+        ]
+        if not holding or (len(seen) < 2 and not single):
+            return tuple(sorted(seen))
+        return min(holding, key=len)
+
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 

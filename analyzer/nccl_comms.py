@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyzer.layout import DIMS, Layout
+from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
 from megatrace.analyzer.reader import Parsed, Reader, ReaderError
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
@@ -162,20 +162,6 @@ def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -
     return tuple(sorted((log.rank, group[other])))
 
 
-def _layout_group(seen: set[int], layout: Layout) -> tuple[int, ...]:
-    """The smallest layout group holding every rank seen using a communicator (ranks that never reached
-    it leave no line, so the logs alone undercount its members); the ranks seen when none holds them."""
-    rank = min(seen)
-    holding = [
-        layout.group(rank, dim)
-        for dim in DIMS
-        if layout.sizes[dim] > 1 and rank < layout.world_size and seen <= set(layout.group(rank, dim))
-    ]
-    if len(seen) < 2 or not holding:
-        return tuple(sorted(seen))
-    return min(holding, key=len)
-
-
 def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> list[RankCalls]:
     """Turn parsed logs into `RankCalls` whose communicators are identified across ranks."""
     canonical = _hash_canonical(logs)
@@ -201,7 +187,7 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
             calls[sig] += len(rows)
     if layout is not None:
         for full in collective_hashes:
-            hashed_members[full] = set(_layout_group(hashed_members[full], layout))
+            hashed_members[full] = set(layout.group_holding(hashed_members[full]))
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
     assigned = _assign_groups(classes, calls, layout)
     if layout is None:

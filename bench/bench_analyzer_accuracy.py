@@ -141,20 +141,25 @@ def score_simulator(args: argparse.Namespace) -> Score:
     return score
 
 
-def score_corpus(root: Path) -> tuple[Score, Score]:
-    """Every recorded run of the corpus, from our ring files and from torch's Flight Recorder dumps."""
-    ring, fr = Score("real runs, our tracer's ring files"), Score("real runs, Flight Recorder dumps by torch")
+def score_corpus(root: Path) -> list[Score]:
+    """Every recorded run of the corpus, from our ring files and from torch's Flight Recorder dumps, each
+    read without layout flags and with the layout the run used."""
+    scores = {
+        (source, flags): Score(f"real runs, {title}, {'layout given' if flags else 'no layout flags'}")
+        for source, title in (("ring", "our tracer's ring files"), ("fr", "Flight Recorder dumps by torch"))
+        for flags in (False, True)
+    }
     for run in sorted(p for p in root.iterdir() if (p / "done").exists()):
         label = json.loads((run / "label.json").read_text())
         kind = "healthy" if label["fault"] == "none" else label["fault"].split("-")[0]
         culprits = set() if kind == "healthy" else {label["rank"]}
         layout = LayoutConfig(world_size=label["world"], tp=label["tp"], pp=label["pp"])
-        for score, path in ((ring, run / "trace" / run.name), (fr, run / "fr")):
-            report = analyze([path])
-            given = analyze([path], layout)
-            score.add(f"{run.name} (no flags)", report, kind, culprits)
-            score.changed_by_flags += report["verdict"] != given["verdict"]
-    return ring, fr
+        for source, path in (("ring", run / "trace" / run.name), ("fr", run / "fr")):
+            bare, given = analyze([path]), analyze([path], layout)
+            scores[(source, False)].add(run.name, bare, kind, culprits)
+            scores[(source, True)].add(run.name, given, kind, culprits)
+            scores[(source, False)].changed_by_flags += bare["verdict"] != given["verdict"]
+    return list(scores.values())
 
 
 def score_megatrace_sample(folder: Path) -> Score:
