@@ -26,7 +26,7 @@ from megatrace.analyzer.table import TraceTable
 MIN_INSTANCES = 8
 MAX_INSTANCES = 20000
 WHOLE_INSTANCES = 1000  # the whole-trace pass looks at the newest ones
-WINDOW_SAMPLE = 1024
+WINDOW_SAMPLE = 128
 WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before it is judged alone
 WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
 MAX_WINDOWS = 12
@@ -134,9 +134,15 @@ def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
 
 
 def comm_lateness(
-    mats, hosts: list[str], offsets: dict[str, float], masked: frozenset[int] = frozenset()
+    mats,
+    hosts: list[str],
+    offsets: dict[str, float],
+    masked: frozenset[int] = frozenset(),
+    strides: dict[int, int] | None = None,
 ) -> list[CommLateness]:
-    """Lateness of every member per communicator; `masked` ranks are left out of the instance medians."""
+    """Lateness of every member per communicator; `masked` ranks are left out of the instance medians.
+    `strides`: communicators whose instances were sampled every k-th (the call interval is k times less
+    than the gap between the instances kept)."""
     out = []
     for c, members, enq, _done in mats:
         shift = np.array([offsets.get(hosts[m], 0.0) for m in members.tolist()])[:, None]
@@ -147,6 +153,7 @@ def comm_lateness(
         # the mean interval between instances: the median of consecutive gaps is too small where calls
         # come in bursts, and meaningless where instances of merged groups interleave
         interval = float((med.max() - med.min()) / (len(med) - 1)) if len(med) > 1 else 0.0
+        interval /= (strides or {}).get(c, 1)
         out.append(
             CommLateness(
                 c,
@@ -228,8 +235,8 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     windows: dict[int, int] = {}
     whole: set[int] = set()
     first: _Round | None = None
-    for window, part in _time_windows(mats):
-        found, rnd = _stragglers(part, hosts, offsets, 0.5 if window else MIN_PERSISTENCE)
+    for window, part, strides in _time_windows(mats):
+        found, rnd = _stragglers(part, hosts, offsets, 0.5 if window else MIN_PERSISTENCE, strides)
         first = first or rnd
         for suspect in found:
             if window and suspect.relative < WINDOW_MIN_REL:
@@ -249,15 +256,16 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     return SlowResult(suspects, offsets, len(mats))
 
 
-def _time_windows(mats: list) -> list[tuple[str, list]]:
+def _time_windows(mats: list) -> list[tuple[str, list, dict[int, int]]]:
     """The newest `WHOLE_INSTANCES` instances of every communicator, then, when communicators have enough
-    instances for each window to be judged alone, equal time windows over the whole trace (each judged
-    on at most `WINDOW_SAMPLE` consecutive instances of a communicator: the cost stays bounded)."""
+    instances for each window to be judged alone, equal time windows over the whole trace. A window
+    keeps at most `WINDOW_SAMPLE` instances of a communicator, every k-th (k is returned per
+    communicator, so the call interval is still known): the cost stays bounded however long the trace."""
     newest = [
         (c, m, enq[:, -WHOLE_INSTANCES:], None if d is None else d[:, -WHOLE_INSTANCES:])
         for c, m, enq, d in mats
     ]
-    parts: list[tuple[str, list]] = [("", newest)]
+    parts: list[tuple[str, list, dict[int, int]]] = [("", newest, {})]
     busiest = max((enq.shape[1] for _c, _m, enq, _d in mats), default=0)
     count = min(MAX_WINDOWS, busiest // WINDOW_INSTANCES)
     if count < 2:
@@ -267,36 +275,36 @@ def _time_windows(mats: list) -> list[tuple[str, list]]:
     t_hi = max(float(mid[-1]) for mid in mids)
     edges = np.linspace(t_lo, t_hi, count + 1)
     for lo, hi in itertools.pairwise(edges.tolist()):
-        part = []
+        part, strides = [], {}
         for (c, members, enq, done), mid in zip(mats, mids, strict=True):
             first, last = np.searchsorted(mid, [lo, hi], side="left")
             if last - first < max(MIN_INSTANCES, WINDOW_INSTANCES // 4):
                 continue
-            # consecutive instances from the window's middle: gaps between them stay the call interval
-            start = max(first, (first + last - WINDOW_SAMPLE) // 2)
-            keep = slice(start, min(last, start + WINDOW_SAMPLE))
+            stride = max(1, int(last - first) // WINDOW_SAMPLE)
+            keep = slice(int(first), int(last), stride)
             part.append((c, members, enq[:, keep], None if done is None else done[:, keep]))
+            strides[c] = stride
         if part:
             label = f"from {(lo - t_lo) / 1e9:.0f} s to {(hi - t_lo) / 1e9:.0f} s of the trace"
-            parts.append((label, part))
+            parts.append((label, part, strides))
     return parts
 
 
 def _stragglers(
-    mats: list, hosts: list[str], offsets: dict[str, float], not_early: float
+    mats: list, hosts: list[str], offsets: dict[str, float], not_early: float, strides: dict[int, int]
 ) -> tuple[list[SlowSuspect], _Round]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
     a communicator with a severe one (both late in the same DP group, say) is not hidden behind it."""
     stragglers: list[int] = []
     suspects = []
-    per_comm = comm_lateness(mats, hosts, offsets)
+    per_comm = comm_lateness(mats, hosts, offsets, strides=strides)
     first: _Round | None = None
     for _pass in range(MAX_PASSES):
         if stragglers:  # only communicators holding a straggler have new medians
             masked = frozenset(stragglers)
             touched = [i for i, (_c, members, _e, _d) in enumerate(mats) if masked & set(members.tolist())]
-            redone = comm_lateness([mats[i] for i in touched], hosts, offsets, masked)
+            redone = comm_lateness([mats[i] for i in touched], hosts, offsets, masked, strides)
             for i, cl in zip(touched, redone, strict=True):
                 per_comm[i] = cl
         rnd = _lateness_round(per_comm, hosts)
