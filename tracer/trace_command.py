@@ -2,7 +2,8 @@
 
 Sets the tracer's environment and puts a generated ``sitecustomize.py`` first on PYTHONPATH, so every
 Python process the command starts (torchrun workers included) installs the tracer once it imports
-torch; the training script needs no change. Returns the command's exit status.
+torch; the training script needs no change. Says which capture the ranks use (native process-group
+capture, or the Python fallback and why). Returns the command's exit status.
 """
 
 from __future__ import annotations
@@ -52,6 +53,15 @@ def command_env(args: argparse.Namespace, site_dir: Path, environ: dict[str, str
     return env
 
 
+def capture_description(wanted: bool) -> str:
+    """Which capture the ranks will use, as this process finds it (same torch, same environment)."""
+    try:
+        from megatrace.tracer import native
+    except ImportError as exc:
+        return f"decided by each rank (torch not importable here: {exc})"
+    return native.capture_description(wanted)
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -67,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
         job_dir = writable_trace_dir(settings.dir) / settings.job
         print(f"megatrace trace: tracing into {job_dir}", file=sys.stderr, flush=True)
+        print(
+            f"megatrace trace: capture: {capture_description(settings.native)}", file=sys.stderr, flush=True
+        )
         try:
             proc = subprocess.Popen(cmd, env=env)
         except OSError as exc:
