@@ -90,18 +90,20 @@ def _layout_matches(module: ModuleType) -> str:
     return f"ring layout differs in {', '.join(wrong)}" if wrong else ""
 
 
-def load(wanted: bool = True) -> ModuleType | None:
+def load(wanted: bool = True, build_missing: bool = False) -> ModuleType | None:
     """The native module, or None (reason in `load_error`); `wanted` False (MEGATRACE_TRACE_NATIVE=0)
-    turns it off."""
+    turns it off. With `build_missing` (tests, the bench) a missing library is built first."""
     global _module, _loaded, load_error
     if not wanted:
         load_error = "turned off by MEGATRACE_TRACE_NATIVE=0"
         return None
-    if _loaded:
+    if _loaded and (_module is not None or not build_missing):
         return _module
     _loaded = True
     try:
         path = library_path()
+        if build_missing and not path.exists():
+            build()
         if not path.exists():
             load_error = f"not built for this torch ({path} missing; run `make native`)"
             return None

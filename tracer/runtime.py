@@ -142,6 +142,13 @@ class Tracer:
             self.recorder = recorder
             for ranks, cid in self.native_comms.items():
                 self._store_members(cid, ranks)
+            if self.native is None:
+                log.warning(
+                    "megatrace tracer: rank %d: native capture unavailable (%s); tracing the Python "
+                    "functions of torch.distributed instead",
+                    rank,
+                    native.load_error,
+                )
             log.info("megatrace tracer: rank %d records to %s (%s capture)", rank, writer.path, self.capture)
         return self.recorder
 
@@ -288,11 +295,6 @@ def install(settings: TraceSettings | None = None, faults: FaultSettings | None 
             if faults.hang_rank >= 0 or faults.slow_rank >= 0:
                 tracer.originals.update(wrappers.patch_fault_hooks(tracer))
         else:
-            log.warning(
-                "megatrace tracer: native capture unavailable (%s); tracing the Python functions of "
-                "torch.distributed instead",
-                native.load_error,
-            )
             tracer.originals.update(wrappers.patch(tracer))
         _wrap_lifecycle(tracer)
         atexit.register(tracer.at_exit)

@@ -96,8 +96,10 @@ def expected_records(rank: int) -> list[tuple[str, tuple[int, ...], int, int, bo
 
 @pytest.mark.parametrize("capture", ["native", "python"])
 def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
-    tmp_path: Path, capture: str
+    tmp_path: Path, capture: str, request: pytest.FixtureRequest
 ) -> None:
+    if capture == "native":
+        request.getfixturevalue("native_module")
     torchrun = Path(sys.executable).with_name("torchrun")
     argv = [
         sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "ops",
