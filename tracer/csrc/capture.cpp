@@ -157,6 +157,7 @@ class Completions {
   void start();
   void stop();
   size_t tracked();
+  int64_t passes() { return passes_.load(std::memory_order_relaxed); }
 
  private:
   void run();
@@ -168,6 +169,7 @@ class Completions {
   std::vector<c10::intrusive_ptr<TracedWork>> polled_;
   std::atomic<size_t> tracked_{0};
   std::atomic<bool> idle_{false};
+  std::atomic<int64_t> passes_{0};
   bool stop_ = false;
   std::thread thread_;
 };
@@ -293,6 +295,7 @@ void Completions::run() {
 
 // One poll over the queued Works (only this thread touches polled_).
 void Completions::pass() {
+  passes_.fetch_add(1, std::memory_order_relaxed);
   int64_t oldest_ns[kMaxCommCounters] = {0};
   int64_t oldest_seq[kMaxCommCounters];
   uint8_t oldest_op[kMaxCommCounters] = {0};
@@ -721,6 +724,30 @@ int replace_backends(c10d::ProcessGroup& pg, Replace&& replace) {
   return replaced;
 }
 
+// Bench support: `n` all-reduces of `tensor` on `backend`, each waited for, nothing else in the loop;
+// returns this thread's CPU ns per op. Two names, so callgrind's inclusive cost of each over `n` is the
+// per-op cost of the bare and of the traced backend within one run.
+template <int Which>
+__attribute__((noinline)) double run_ops(const c10::intrusive_ptr<c10d::Backend>& backend, at::Tensor tensor,
+                                         int64_t n) {
+  std::vector<at::Tensor> tensors{std::move(tensor)};
+  timespec start, end;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
+  for (int64_t i = 0; i < n; ++i) backend->allreduce(tensors)->wait();
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
+  return ((end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec)) / static_cast<double>(n);
+}
+
+extern "C" __attribute__((noinline, visibility("default"))) double megatrace_bench_bare_ops(
+    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n) {
+  return run_ops<0>(backend, tensor, n);
+}
+
+extern "C" __attribute__((noinline, visibility("default"))) double megatrace_bench_traced_ops(
+    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n) {
+  return run_ops<1>(backend, tensor, n);
+}
+
 // ---- module functions ----
 
 void attach(const std::string& path) {
@@ -793,6 +820,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return ring ? ring->serial.load() : int64_t{0};
   }, "Ops recorded since attach.");
   m.def("tracked", [] { return g_completions.tracked(); }, "Works the completion thread still polls.");
+  m.def("passes", [] { return g_completions.passes(); }, "Poll passes the completion thread made.");
+  m.def("bench_bare_ops", &megatrace_bench_bare_ops, py::call_guard<py::gil_scoped_release>(),
+        "Bench: CPU ns per all-reduce + wait on `backend` (the bare one).");
+  m.def("bench_traced_ops", &megatrace_bench_traced_ops, py::call_guard<py::gil_scoped_release>(),
+        "Bench: the same loop, under another name, for the traced backend.");
   m.def("set_comm_id_function", [](py::object fn) { *g_comm_id_of = std::move(fn); },
         "The Python function giving the communicator id of a list of global ranks (for split groups).");
   m.def(
