@@ -168,7 +168,6 @@ class Completions {
   std::vector<c10::intrusive_ptr<TracedWork>> incoming_;
   std::vector<c10::intrusive_ptr<TracedWork>> polled_;
   std::atomic<size_t> tracked_{0};
-  std::atomic<bool> idle_{false};
   std::atomic<int64_t> passes_{0};
   bool stop_ = false;
   std::thread thread_;
@@ -249,11 +248,8 @@ class TracedWork : public c10d::Work {
 void Completions::add(c10::intrusive_ptr<TracedWork> work) {
   if (tracked_.load(std::memory_order_relaxed) >= kMaxTracked) return;
   tracked_.fetch_add(1, std::memory_order_relaxed);
-  {
-    std::lock_guard<std::mutex> guard(mutex_);
-    incoming_.push_back(std::move(work));
-  }
-  if (idle_.load(std::memory_order_relaxed)) wake_.notify_one();
+  std::lock_guard<std::mutex> guard(mutex_);
+  incoming_.push_back(std::move(work));
 }
 
 size_t Completions::tracked() { return tracked_.load(std::memory_order_relaxed); }
@@ -281,9 +277,10 @@ void Completions::stop() {
 void Completions::run() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
+    // Never woken by the issuing threads (that would cost them a system call): polls every
+    // millisecond while Works are queued, every 10 ms otherwise.
     bool busy = !incoming_.empty() || !polled_.empty();
-    idle_.store(!busy, std::memory_order_relaxed);
-    wake_.wait_for(lock, busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(50));
+    wake_.wait_for(lock, busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(10));
     if (stop_) break;
     for (auto& work : incoming_) polled_.push_back(std::move(work));
     incoming_.clear();
@@ -724,28 +721,40 @@ int replace_backends(c10d::ProcessGroup& pg, Replace&& replace) {
   return replaced;
 }
 
-// Bench support: `n` all-reduces of `tensor` on `backend`, each waited for, nothing else in the loop;
-// returns this thread's CPU ns per op. Two names, so callgrind's inclusive cost of each over `n` is the
-// per-op cost of the bare and of the traced backend within one run.
+// Bench support: `n` all-reduces of `tensor` on `backend`, each waited for, nothing else in the loop
+// but, with `interval_ns` > 0, a sleep until the next op is due (a paced rate); returns this thread's
+// CPU ns per op. Two names, so callgrind's inclusive cost of each over `n` is the per-op cost of the
+// bare and of the traced backend within one run.
 template <int Which>
 __attribute__((noinline)) double run_ops(const c10::intrusive_ptr<c10d::Backend>& backend, at::Tensor tensor,
-                                         int64_t n) {
+                                         int64_t n, int64_t interval_ns) {
   std::vector<at::Tensor> tensors{std::move(tensor)};
-  timespec start, end;
+  timespec start, end, due;
+  clock_gettime(CLOCK_MONOTONIC, &due);
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &start);
-  for (int64_t i = 0; i < n; ++i) backend->allreduce(tensors)->wait();
+  for (int64_t i = 0; i < n; ++i) {
+    backend->allreduce(tensors)->wait();
+    if (interval_ns > 0) {
+      due.tv_nsec += interval_ns;
+      while (due.tv_nsec >= 1000000000L) {
+        due.tv_nsec -= 1000000000L;
+        ++due.tv_sec;
+      }
+      clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &due, nullptr);
+    }
+  }
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &end);
   return ((end.tv_sec - start.tv_sec) * 1e9 + (end.tv_nsec - start.tv_nsec)) / static_cast<double>(n);
 }
 
 extern "C" __attribute__((noinline, visibility("default"))) double megatrace_bench_bare_ops(
-    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n) {
-  return run_ops<0>(backend, tensor, n);
+    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n, int64_t interval_ns) {
+  return run_ops<0>(backend, tensor, n, interval_ns);
 }
 
 extern "C" __attribute__((noinline, visibility("default"))) double megatrace_bench_traced_ops(
-    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n) {
-  return run_ops<1>(backend, tensor, n);
+    const c10::intrusive_ptr<c10d::Backend>& backend, const at::Tensor& tensor, int64_t n, int64_t interval_ns) {
+  return run_ops<1>(backend, tensor, n, interval_ns);
 }
 
 // ---- module functions ----
@@ -821,9 +830,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Ops recorded since attach.");
   m.def("tracked", [] { return g_completions.tracked(); }, "Works the completion thread still polls.");
   m.def("passes", [] { return g_completions.passes(); }, "Poll passes the completion thread made.");
-  m.def("bench_bare_ops", &megatrace_bench_bare_ops, py::call_guard<py::gil_scoped_release>(),
-        "Bench: CPU ns per all-reduce + wait on `backend` (the bare one).");
-  m.def("bench_traced_ops", &megatrace_bench_traced_ops, py::call_guard<py::gil_scoped_release>(),
+  m.def("bench_bare_ops", &megatrace_bench_bare_ops, py::arg("backend"), py::arg("tensor"), py::arg("n"),
+        py::arg("interval_ns") = 0, py::call_guard<py::gil_scoped_release>(),
+        "Bench: CPU ns per all-reduce + wait on `backend` (the bare one), paced to one per `interval_ns`.");
+  m.def("bench_traced_ops", &megatrace_bench_traced_ops, py::arg("backend"), py::arg("tensor"), py::arg("n"),
+        py::arg("interval_ns") = 0, py::call_guard<py::gil_scoped_release>(),
         "Bench: the same loop, under another name, for the traced backend.");
   m.def("set_comm_id_function", [](py::object fn) { *g_comm_id_of = std::move(fn); },
         "The Python function giving the communicator id of a list of global ranks (for split groups).");
