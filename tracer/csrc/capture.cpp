@@ -13,6 +13,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -787,6 +788,10 @@ void attach(const std::string& path) {
   ring->rank = static_cast<int32_t>(header[kWRank]);
   Ring* previous = g_ring.exchange(ring);
   TORCH_CHECK(previous == nullptr, "megatrace: a ring was already attached");
+  // A forked child (a data loader worker) shares the mapping but has no completion thread: it must
+  // not write into its parent's ring.
+  static std::once_flag at_fork;
+  std::call_once(at_fork, [] { pthread_atfork(nullptr, nullptr, [] { g_ring.store(nullptr); }); });
   g_completions.start();
 }
 
