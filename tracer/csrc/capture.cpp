@@ -168,7 +168,7 @@ class Completions {
   std::condition_variable wake_;
   std::vector<c10::intrusive_ptr<TracedWork>> incoming_;
   std::vector<c10::intrusive_ptr<TracedWork>> polled_;
-  std::atomic<size_t> tracked_{0};
+  std::atomic<size_t> polled_size_{0};  // polled_.size(), for add() to bound the queue
   std::atomic<int64_t> passes_{0};
   bool stop_ = false;
   std::thread thread_;
@@ -176,8 +176,45 @@ class Completions {
 
 Completions& g_completions = *new Completions();  // never destroyed: its thread may outlive main()
 
+// Storage of finished TracedWorks, reused: they are allocated on the issuing thread and mostly freed
+// on the completion thread, where malloc would hand each one back to another thread's cache.
+class WorkStorage {
+ public:
+  void* take(size_t size) {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (!free_.empty()) {
+        void* block = free_.back();
+        free_.pop_back();
+        return block;
+      }
+    }
+    return ::operator new(size);
+  }
+  void give(void* block) {
+    {
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (free_.size() < kKept) {
+        free_.push_back(block);
+        return;
+      }
+    }
+    ::operator delete(block);
+  }
+
+ private:
+  static constexpr size_t kKept = 4096;
+  std::mutex mutex_;
+  std::vector<void*> free_;
+};
+
+WorkStorage& g_work_storage = *new WorkStorage();  // never destroyed, as the completion thread
+
 class TracedWork : public c10d::Work {
  public:
+  static void* operator new(size_t size) { return g_work_storage.take(size); }
+  static void operator delete(void* block) { g_work_storage.give(block); }
+
   TracedWork(c10::intrusive_ptr<c10d::Work> inner, bool host_completion, int64_t serial, int64_t enqueue_ns,
              int comm_slot, int64_t seq, uint8_t op)
       : c10d::Work(-1, inner->retrieveOpType()),
@@ -247,13 +284,15 @@ class TracedWork : public c10d::Work {
 };
 
 void Completions::add(c10::intrusive_ptr<TracedWork> work) {
-  if (tracked_.load(std::memory_order_relaxed) >= kMaxTracked) return;
-  tracked_.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> guard(mutex_);
+  if (incoming_.size() + polled_size_.load(std::memory_order_relaxed) >= kMaxTracked) return;
   incoming_.push_back(std::move(work));
 }
 
-size_t Completions::tracked() { return tracked_.load(std::memory_order_relaxed); }
+size_t Completions::tracked() {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return incoming_.size() + polled_size_.load(std::memory_order_relaxed);
+}
 
 void Completions::start() {
   std::lock_guard<std::mutex> guard(mutex_);
@@ -272,7 +311,7 @@ void Completions::stop() {
   std::lock_guard<std::mutex> guard(mutex_);
   incoming_.clear();
   polled_.clear();
-  tracked_.store(0);
+  polled_size_.store(0);
 }
 
 void Completions::run() {
@@ -285,6 +324,7 @@ void Completions::run() {
     if (stop_) break;
     for (auto& work : incoming_) polled_.push_back(std::move(work));
     incoming_.clear();
+    polled_size_.store(polled_.size(), std::memory_order_relaxed);
     lock.unlock();
     pass();
     lock.lock();
@@ -316,9 +356,8 @@ void Completions::pass() {
     }
     polled_[kept++] = std::move(work);
   }
-  size_t dropped = polled_.size() - kept;
   polled_.resize(kept);
-  tracked_.fetch_sub(dropped, std::memory_order_relaxed);
+  polled_size_.store(kept, std::memory_order_relaxed);
   RingUse use;
   Ring* ring = use.get();
   if (ring == nullptr) return;
