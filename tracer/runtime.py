@@ -124,15 +124,15 @@ class Tracer:
             writer = RingWriter(
                 ring_path(self.job_dir, rank), identity, self.settings.capacity, stall_threshold_ns=stall_ns
             )
-            writer.set_capture(self.capture)
-            writer.set_device(*_cuda_device())
-            recorder: Recorder | NativeRecorder
             if self.native is not None:
                 try:
                     self.native.attach(str(writer.path))
-                except Exception as exc:  # cannot happen with a build that passed the layout check
-                    log.warning("megatrace tracer: native capture cannot record (%s); no ops recorded", exc)
-                    self.stop_native()
+                except Exception as exc:  # not seen with a build that passed the layout check
+                    native.load_error = f"cannot record into the ring: {exc}"
+                    self._fall_back_to_python()
+            writer.set_capture(self.capture)
+            writer.set_device(*_cuda_device())
+            recorder: Recorder | NativeRecorder
             recorder = NativeRecorder(writer, rank, self.native) if self.native else Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
@@ -217,6 +217,14 @@ class Tracer:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog.dump("exit")
+
+    def _fall_back_to_python(self) -> None:
+        self.stop_native()
+        fault_hooks = {
+            name: self.originals.pop(name) for name in list(self.originals) if name in wrappers.OP_SPECS
+        }
+        wrappers.unpatch(fault_hooks)
+        self.originals.update(wrappers.patch(self))
 
     def stop_native(self) -> None:
         """Give every process group its own backends back and stop the native recording."""

@@ -172,17 +172,43 @@ def test_host_completion_is_recorded_when_wait_returns(tmp_path: Path, native_mo
         writer.close()
 
 
-def test_library_that_cannot_load_falls_back_to_python_with_one_log_line(tmp_path: Path) -> None:
-    script = textwrap.dedent(
-        """
+BREAKAGES = {
+    # a library file that is not one
+    "library": """
+        native.library_path().parent.mkdir(parents=True, exist_ok=True)
+        native.library_path().write_bytes(b"not a shared library")
+        """,
+    # a library that loads but cannot record into this ring
+    "attach": """
+        real = native.load(build_missing=True)
+        class CannotAttach:
+            def __getattr__(self, name):
+                return getattr(real, name)
+            def attach(self, path):
+                raise RuntimeError("no room")
+        native.load = lambda wanted=True, build_missing=False: CannotAttach()
+        """,
+}
+
+
+@pytest.mark.parametrize(("breakage", "reason"), [("library", "megatrace_capture.so"), ("attach", "no room")])
+def test_native_capture_that_cannot_work_falls_back_to_python_with_one_log_line(
+    tmp_path: Path, breakage: str, reason: str, native_module: ModuleType
+) -> None:
+    script = (
+        textwrap.dedent(
+            """
         import datetime, logging, os, sys
         import torch, torch.distributed as dist
         from megatrace.tracer import native, runtime
         from megatrace.tracer.ringfile import read_header
         from megatrace.tracer.settings import FaultSettings, TraceSettings
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        native.library_path().parent.mkdir(parents=True, exist_ok=True)
-        native.library_path().write_bytes(b"not a shared library")
+        """
+        )
+        + textwrap.dedent(BREAKAGES[breakage])
+        + textwrap.dedent(
+            """
         settings = TraceSettings(enable=True, dir=sys.argv[1], job="broken", stall_ms=60000)
         assert runtime.install(settings, FaultSettings())
         store = dist.FileStore(os.path.join(sys.argv[1], "store"), 1)
@@ -194,13 +220,15 @@ def test_library_that_cannot_load_falls_back_to_python_with_one_log_line(tmp_pat
         dist.destroy_process_group()
         runtime.uninstall()
         """
+        )
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
-    env["MEGATRACE_NATIVE_DIR"] = str(tmp_path / "native")
+    if breakage == "library":
+        env["MEGATRACE_NATIVE_DIR"] = str(tmp_path / "native")
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["python", "1"]
     warnings = [line for line in done.stderr.splitlines() if "native capture unavailable" in line]
-    assert len(warnings) == 1 and "megatrace_capture.so" in warnings[0]
+    assert len(warnings) == 1 and reason in warnings[0]
