@@ -31,7 +31,7 @@ from megatrace.tracer.ringfile import (
 )
 from megatrace.tracer.watchdog import Watchdog, is_stalled
 from tests.exporters.exposition import render, value
-from tests.tracer import paths_job
+from tests.tracer import paths_job, pipeline_job
 from tests.tracer.test_tracing_gloo import assert_collectives_line_up, wait_for
 
 HERE = Path(__file__).parent
@@ -232,3 +232,29 @@ def test_native_capture_that_cannot_work_falls_back_to_python_with_one_log_line(
     assert done.stdout.split() == ["python", "1"]
     warnings = [line for line in done.stderr.splitlines() if "native capture unavailable" in line]
     assert len(warnings) == 1 and reason in warnings[0]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_with_ddp_on_data_parallel_subgroups(
+    tmp_path: Path, native_module: ModuleType
+) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [
+        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "pp",
+        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", "4",
+        str(HERE / "pipeline_job.py"),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    snaps = {rank: read_ring(tmp_path / "pp" / f"rank-{rank}.trace") for rank in range(4)}
+    for rank, snap in snaps.items():
+        dp, pp = (rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)
+        assert {comm_id(dp): dp, comm_id(pp): pp}.items() <= snap.communicators.items()
+        step = snap.records[snap.records["step"] == 1]
+        ops = [(OP_NAMES[int(r["op"])], snap.communicators[int(r["comm_id"])], int(r["peer"])) for r in step]
+        gradients = [op for op in ops if op[0] == "all_reduce"]
+        assert gradients == [("all_reduce", dp, -1)] * pipeline_job.BUCKETS
+        p2p = [op for op in ops if op[0] in ("send", "recv")]
+        assert p2p == ([("send", pp, rank + 2)] if rank < 2 else [("recv", pp, rank - 2)])
+    assert assert_collectives_line_up(snaps) == 2 * 8
