@@ -215,9 +215,13 @@ class TracedWork : public c10d::Work {
   static void* operator new(size_t size) { return g_work_storage.take(size); }
   static void operator delete(void* block) { g_work_storage.give(block); }
 
-  TracedWork(c10::intrusive_ptr<c10d::Work> inner, bool host_completion, int64_t serial, int64_t enqueue_ns,
-             int comm_slot, int64_t seq, uint8_t op)
+  // `backend` (the one that made `inner`) is kept alive as long as this Work: the completion thread may
+  // release a Work after the process group was destroyed, and a Work must not outlive its backend
+  // (gloo's point-to-point Works free buffers of the backend's context).
+  TracedWork(c10::intrusive_ptr<c10d::Work> inner, c10::intrusive_ptr<c10d::Backend> backend, bool host_completion,
+             int64_t serial, int64_t enqueue_ns, int comm_slot, int64_t seq, uint8_t op)
       : c10d::Work(-1, inner->retrieveOpType()),
+        backend_(std::move(backend)),
         inner_(std::move(inner)),
         host_completion_(host_completion),
         serial_(serial),
@@ -273,6 +277,7 @@ class TracedWork : public c10d::Work {
   uint8_t op() const { return op_; }
 
  private:
+  c10::intrusive_ptr<c10d::Backend> backend_;  // declared first: destroyed after inner_
   c10::intrusive_ptr<c10d::Work> inner_;
   const bool host_completion_;
   const int64_t serial_;
@@ -669,15 +674,15 @@ class TracedBackend : public c10d::Backend {
       complete_now(op);
       return work;
     }
-    auto traced = c10::make_intrusive<TracedWork>(std::move(work), host_completion_, op.serial, op.enqueue_ns,
-                                                  op.slot, op.seq, op.op);
+    auto traced = c10::make_intrusive<TracedWork>(std::move(work), inner_, host_completion_, op.serial,
+                                                  op.enqueue_ns, op.slot, op.seq, op.op);
     g_completions.add(traced);
     return traced;
   }
 
   void complete_now(const Pending& op) {
     if (op.serial == 0) return;
-    TracedWork(c10::make_intrusive<c10d::Work>(), true, op.serial, op.enqueue_ns, op.slot, op.seq, op.op)
+    TracedWork(c10::make_intrusive<c10d::Work>(), nullptr, true, op.serial, op.enqueue_ns, op.slot, op.seq, op.op)
         .complete();
   }
 
