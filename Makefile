@@ -6,12 +6,20 @@ BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter
 DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter
+# The native tracer capture is compiled with g++ through ninja; callgrind measures it (bench).
+BUILD_PACKAGES := g++ ninja-build valgrind python3-dev
+BUILD_COMMANDS := g++ ninja valgrind
+HAVE_PYTHON_H := $(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))"
 PYTEST_ARGS ?= -n auto
 
-.PHONY: test demo lint deps debs venv clean
+.PHONY: test demo lint deps debs venv clean native
 
-test: deps lint
+test: deps lint native
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The tracer's native capture (C++ against the installed torch); the tracer falls back to Python without it.
+native: deps
+	$(BIN)/python -m megatrace.tracer.native
 
 # The whole pipeline on this machine: a real job hangs, then runs slow; see README.
 demo: deps
@@ -30,6 +38,13 @@ debs:
 	  echo "installing Debian packages: $(DEB_PACKAGES)"; \
 	  $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(DEB_PACKAGES); \
+	fi
+	@missing=0; for c in $(BUILD_COMMANDS); do command -v $$c >/dev/null || missing=1; done; \
+	$(HAVE_PYTHON_H) || missing=1; \
+	if [ $$missing = 1 ]; then \
+	  echo "installing Debian packages: $(BUILD_PACKAGES)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $(BUILD_PACKAGES); \
 	fi
 
 $(VENV)/bin/python:

@@ -1,12 +1,12 @@
 """Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
 
 Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
-``job`` (the training job), ``rank`` and ``local_rank``; Prometheus must scrape with
-``honor_labels: true`` so `job` is kept. A rank is alive while its header says it has not finished and
-its writer still holds its lock on the file, which works across PID namespaces (for files from writers
-that do not lock: while its pid exists in ours). ``megatrace_tracer_rank_finished`` tells a clean exit
-from a death. Ranks that are no longer alive keep being exported for a grace period (so
-``megatrace_tracer_rank_alive=0`` is seen), then dropped.
+``job`` (the training job), ``rank`` and ``local_rank`` (per-communicator series also ``comm``);
+Prometheus must scrape with ``honor_labels: true`` so `job` is kept. A rank is alive while its
+header says it has not finished and its writer still holds its lock on the file, which works across
+PID namespaces (for files from writers that do not lock: while its pid exists in ours).
+``megatrace_tracer_rank_finished`` tells a clean exit from a death. Ranks that are no longer alive keep
+being exported for a grace period (so ``megatrace_tracer_rank_alive=0`` is seen), then dropped.
 """
 
 from __future__ import annotations
@@ -165,12 +165,28 @@ class TracerCollector:
             labels,
             1.0 if h.finished else 0.0,
         )
+        device = {"gpu": str(h.cuda_device) if h.cuda_device >= 0 else "", "uuid": h.device_uuid}
         families.gauge(
             "rank_info",
             "Static facts about the rank.",
-            {**labels, "world_size": str(h.world_size), "pid": str(h.pid)},
+            {**labels, "world_size": str(h.world_size), "pid": str(h.pid), "capture": h.capture, **device},
             1.0,
         )
+        for cid, counters in sorted(h.comm_counters.items()):
+            comm = {**labels, "comm": str(cid)}
+            families.counter(
+                "comm_ops_issued_total", "Ops the rank issued on the communicator.", comm, counters.issued
+            )
+            families.counter("comm_ops_completed_total", "Its ops that completed.", comm, counters.completed)
+            age = 0.0
+            if counters.inflight_enqueue_ns and not h.finished:
+                age = max(0.0, now - counters.inflight_enqueue_ns * NS)
+            families.gauge(
+                "comm_oldest_inflight_seconds",
+                "Age of the communicator's oldest op still in flight on the rank (0 when none).",
+                comm,
+                age,
+            )
 
 
 def _rank_of(path: Path) -> int:

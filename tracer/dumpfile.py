@@ -18,10 +18,13 @@ from megatrace.tracer.ringfile import (
     DTYPE_CODES,
     DTYPE_NAMES,
     FLAG_ASYNC,
+    FLAG_PROCESS_GROUP,
     FORMAT_VERSION,
     OP_CODES,
     OP_NAMES,
+    READABLE_VERSIONS,
     RECORD_DTYPE,
+    CommCounters,
     RingHeader,
     RingSnapshot,
 )
@@ -37,6 +40,9 @@ _COUNTER_KEYS = (
 )  # fmt: skip
 # Header words added to version 1 later: written always, read as 0 from dumps that lack them.
 _LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool}
+# Added in version 2 (read as unset from version 1 dumps).
+_V2_KEYS = ("capture", "cuda_device", "device_uuid")
+_COUNTER_FIELDS = ("issued", "completed", "inflight_op", "inflight_seq", "inflight_enqueue_ns", "last_op")
 _RECORD_INT_KEYS = ("serial", "rank", "comm", "seq", "nbytes", "peer", "enqueue_ns", "complete_ns", "step")
 
 
@@ -78,6 +84,7 @@ def format_record(row: np.void) -> str:
             ("complete_ns", int(row["complete_ns"])),
             ("step", int(row["step"])),
             ("async", int(row["flags"]) & FLAG_ASYNC),
+            ("pg", int(bool(int(row["flags"]) & FLAG_PROCESS_GROUP))),
             ("state", state),
         ]
     )
@@ -99,11 +106,16 @@ def write_dump(
         "# " + _pairs([("reason", reason), ("taken_ns", taken_ns)]),
         "# " + _pairs([(key, getattr(h, key)) for key in _IDENTITY_KEYS]),
         "# " + _pairs([(key, getattr(h, key)) for key in (*_COUNTER_KEYS, *_LATER_KEYS)]),
+        "# " + _pairs([(key, getattr(h, key)) for key in _V2_KEYS]),
         "# calls " + _pairs(sorted(h.calls_by_op.items())),
         "# bytes " + _pairs(sorted(h.bytes_by_op.items())),
     ]
     for cid, ranks in sorted(snapshot.communicators.items()):
         lines.append(f"# comm id={cid} ranks={','.join(str(r) for r in ranks)}")
+    for cid, counters in sorted(h.comm_counters.items()):
+        lines.append(
+            "# counters " + _pairs([("id", cid), *((key, getattr(counters, key)) for key in _COUNTER_FIELDS)])
+        )
     records = snapshot.records[-max_records:] if max_records > 0 else snapshot.records[:0]
     lines.extend(format_record(row) for row in records)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -148,7 +160,9 @@ def _parse_record(pairs: dict[str, str], where: str) -> tuple:
     if op is None:
         raise DumpFormatError(f"{where}: unknown op {pairs.get('op')!r}")
     dtype = DTYPE_CODES.get(pairs.get("dtype", ""), DTYPE_CODES["other"])
-    flags = FLAG_ASYNC if pairs.get("async") == "1" else 0
+    flags = (FLAG_ASYNC if pairs.get("async") == "1" else 0) | (
+        FLAG_PROCESS_GROUP if pairs.get("pg") == "1" else 0
+    )
     return (
         values["serial"], values["comm"], values["seq"], values["nbytes"], values["enqueue_ns"],
         values["complete_ns"], values["step"], values["rank"], values["peer"], op, dtype, flags,
@@ -165,12 +179,13 @@ def read_dump(path: str | Path) -> RingSnapshot:
     if not lines or not lines[0].startswith(DUMP_MAGIC):
         raise DumpFormatError(f"{path}: not a Megatrace dump (first line must start {DUMP_MAGIC!r})")
     version = _int(_parse_pairs(lines[0][len(DUMP_MAGIC) :], f"{path}:1"), "version", f"{path}:1")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise DumpFormatError(f"{path}: dump format version {version} is not supported")
     meta: dict[str, str] = {}
     calls: dict[str, int] = {}
     nbytes: dict[str, int] = {}
     comms: dict[int, tuple[int, ...]] = {}
+    counters: dict[int, CommCounters] = {}
     rows = []
     for number, line in enumerate(lines[1:], start=2):
         where = f"{path}:{number}"
@@ -187,6 +202,14 @@ def read_dump(path: str | Path) -> RingSnapshot:
             except ValueError:
                 raise DumpFormatError(f"{where}: ranks= must be comma-separated integers") from None
             comms[_int(pairs, "id", where)] = members
+        elif line.startswith("# counters "):
+            pairs = _parse_pairs(line[len("# counters ") :], where)
+            counters[_int(pairs, "id", where)] = CommCounters(
+                **{
+                    key: _text(pairs.get(key, "-")) if key.endswith("_op") else _int(pairs, key, where)
+                    for key in _COUNTER_FIELDS
+                }
+            )
         elif line.startswith("#"):
             meta.update(_parse_pairs(line[1:], where))
         else:
@@ -209,6 +232,10 @@ def read_dump(path: str | Path) -> RingSnapshot:
             if key not in ("job", "host", "oldest_inflight_op", "finished")
         },
         **{key: kind(_int(meta, key, where)) for key, kind in _LATER_KEYS.items() if key in meta},
+        capture=_text(meta.get("capture", "-")),
+        cuda_device=_int(meta, "cuda_device", where) if "cuda_device" in meta else -1,
+        device_uuid=_text(meta.get("device_uuid", "-")),
+        comm_counters=counters,
     )
     return RingSnapshot(
         header=header,

@@ -11,12 +11,20 @@ them at most one tick late. Imports no torch, so the record path can be measured
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from megatrace.tracer.ringfile import (
+    C_COMPLETED,
+    C_INFLIGHT_ENQUEUE_NS,
+    C_INFLIGHT_OP,
+    C_INFLIGHT_SEQ,
+    C_ISSUED,
     MAX_OPS,
     P2P_OPS,
+    R_COMM_ID,
     R_COMPLETE_NS,
     R_OP_BYTE,
+    R_SEQ,
     RECORD_SIZE,
     RECORD_STRUCT,
     RECORD_WORDS,
@@ -65,6 +73,7 @@ class Recorder:
         self.last_enqueue_ns = 0
         self.last_complete_ns = 0
         self.wait_ns_total = 0
+        self.comm_entries: dict[int, int] = {}
 
     def begin(self, cid: int, op: int, nbytes: int, dtype: int, peer: int, flags: int) -> int:
         """Record an op as issued now; returns its serial (1-based record number) to pass to `end`."""
@@ -128,13 +137,82 @@ class Recorder:
         header[W_LAST_ENQUEUE_NS] = self.last_enqueue_ns
         header[W_LAST_COMPLETE_NS] = self.last_complete_ns
         header[W_WAIT_NS_TOTAL] = self.wait_ns_total
+        self.publish_comm_counters()
+
+    def publish_comm_counters(self) -> None:
+        """Per-communicator ops issued and completed, and the oldest op in flight of each, into the
+        header (computed here from the sequence counters and the in-flight ops, off the record path)."""
+        issued = dict(self.seq)
+        for (cid, _peer, _op), count in list(self.p2p_seq.items()):
+            issued[cid] = issued.get(cid, 0) + count
+        inflight: dict[int, list[int]] = {}
+        for serial, enqueue_ns in list(self.inflight.items()):
+            word = (serial - 1) % self.capacity * RECORD_WORDS
+            if self.record_words[word] != serial:
+                continue
+            cid = self.record_words[word + R_COMM_ID]
+            if cid in inflight:
+                inflight[cid][0] += 1
+            else:
+                op = self.records[word * 8 + R_OP_BYTE]
+                inflight[cid] = [1, op, self.record_words[word + R_SEQ], enqueue_ns]
+        header = self.header
+        for cid, count in issued.items():
+            base = self.comm_entries.get(cid)
+            if base is None:
+                base = self.comm_entries[cid] = self.writer.comm_counters_entry(cid)
+            if base < 0:
+                continue
+            pending, op, seq, enqueue_ns = inflight.get(cid, (0, 0, -1, 0))
+            header[base + C_ISSUED] = count
+            header[base + C_COMPLETED] = count - pending
+            header[base + C_INFLIGHT_OP] = op
+            header[base + C_INFLIGHT_SEQ] = seq
+            header[base + C_INFLIGHT_ENQUEUE_NS] = enqueue_ns
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""
-        now = _clock()
-        header = self.header
-        header[W_LAST_STEP_NS] = now - self.step_start_ns
-        header[W_LAST_STEP_END_NS] = now
-        self.step += 1
-        header[W_STEP_COUNT] = self.step
-        self.step_start_ns = now
+        self.step = mark_step_in(self.header, self.step_start_ns)
+        self.step_start_ns = self.header[W_LAST_STEP_END_NS]
+
+
+def mark_step_in(header: memoryview, step_start_ns: int) -> int:
+    """Count a step that ended now in `header` (started at `step_start_ns`); returns the step count."""
+    now = _clock()
+    header[W_LAST_STEP_NS] = now - step_start_ns
+    header[W_LAST_STEP_END_NS] = now
+    step = header[W_STEP_COUNT] + 1
+    header[W_STEP_COUNT] = step
+    return step
+
+
+class NativeRecorder:
+    """The recorder's face to the rest of the tracer when the native capture writes the ring: records
+    and live counters are written by the C++ side, so `publish` has nothing to copy; steps are counted
+    in the header, where the C++ side reads the step number of each record."""
+
+    def __init__(self, writer: RingWriter, rank: int, native: Any) -> None:
+        self.writer = writer
+        self.rank = rank
+        self.header = writer.header
+        self.native = native
+        self.step_start_ns = _clock()
+
+    @property
+    def serial(self) -> int:
+        """Ops recorded so far."""
+        return self.native.serial()
+
+    calls = serial
+
+    @property
+    def step(self) -> int:
+        return self.header[W_STEP_COUNT]
+
+    def publish(self) -> None:
+        """Nothing to copy: the native side keeps the header's counters live."""
+
+    def mark_step(self) -> None:
+        """One training step ended now: count it and record its duration."""
+        mark_step_in(self.header, self.step_start_ns)
+        self.step_start_ns = self.header[W_LAST_STEP_END_NS]

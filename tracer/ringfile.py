@@ -23,7 +23,9 @@ import numpy as np
 
 from megatrace.regular_files import open_regular
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions `read_ring` and `read_header` accept: version 1 files lack what version 2 added (read as unset).
+READABLE_VERSIONS = frozenset({1, 2})
 MAGIC = b"MEGATRC\x00"
 HEADER_SIZE = 4096
 RECORD_SIZE = 72
@@ -62,11 +64,24 @@ W_STALL_THRESHOLD_NS = 26
 W_WRITER_FLAGS = 27
 # Writer flag: the writing process holds a shared flock on the file for as long as it lives.
 WRITER_HOLDS_LOCK = 1
+# Added in version 2: how ops are captured, the rank's CUDA device, per-communicator counters.
+W_CAPTURE = 28
+W_CUDA_DEVICE = 29
+W_COMM_COUNTERS_USED = 30
+CAPTURE_NAMES = {0: "", 1: "python", 2: "native"}
+CAPTURE_CODES = {name: code for code, name in CAPTURE_NAMES.items() if name}
 W_CALLS_BY_OP = 32
 W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
 JOB_OFFSET = 768
 HOST_OFFSET = 1024
 TEXT_FIELD_BYTES = 256
+DEVICE_UUID_OFFSET = 1280
+DEVICE_UUID_BYTES = 64
+# Per-communicator counters (version 2): up to MAX_COMM_COUNTERS entries of COMM_COUNTER_WORDS words.
+COMM_COUNTERS_OFFSET = 1536
+COMM_COUNTER_WORDS = 8
+MAX_COMM_COUNTERS = 40
+C_ID, C_ISSUED, C_COMPLETED, C_INFLIGHT_OP, C_INFLIGHT_SEQ, C_INFLIGHT_ENQUEUE_NS, C_LAST_OP = range(7)
 
 # Record (72 bytes): `serial` is the commit word, written last (0 while the slot is being written).
 RECORD_DTYPE = np.dtype(
@@ -90,6 +105,8 @@ R_SERIAL, R_COMM_ID, R_SEQ, R_NBYTES, R_ENQUEUE_NS, R_COMPLETE_NS, R_STEP = rang
 R_RANK_I32, R_PEER_I32 = 14, 15
 R_OP_BYTE, R_DTYPE_BYTE, R_FLAGS_BYTE = 64, 65, 66
 FLAG_ASYNC = 1
+# Recorded by the native capture at the process-group layer (whether the caller asked async is unknown).
+FLAG_PROCESS_GROUP = 2
 
 OP_NAMES: dict[int, str] = {
     1: "all_reduce",
@@ -162,6 +179,24 @@ class RingHeader:
     stall_threshold_ns: int = 0
     # Whether the writer keeps a liveness lock on the file (see `writer_holds_lock`); False for older ones.
     writer_locks: bool = False
+    # Version 2: "native" or "python" capture ("" unknown), CUDA device index (-1 none) and UUID.
+    capture: str = ""
+    cuda_device: int = -1
+    device_uuid: str = ""
+    comm_counters: dict[int, CommCounters] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCounters:
+    """One communicator's live counters on this rank: ops issued and completed, and the oldest op in
+    flight (op name, its sequence number, when it was issued; "", -1, 0 when none)."""
+
+    issued: int
+    completed: int
+    inflight_op: str = ""
+    inflight_seq: int = -1
+    inflight_enqueue_ns: int = 0
+    last_op: str = ""
 
 
 @dataclasses.dataclass
@@ -258,6 +293,7 @@ class RingWriter:
         self.rec_b = records
         self._write_identity(identity)
         self.header[W_STALL_THRESHOLD_NS] = stall_threshold_ns
+        self.header[W_CUDA_DEVICE] = -1
         self._lock_fd = os.open(tmp, os.O_RDONLY)
         fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
         self.header[W_WRITER_FLAGS] = WRITER_HOLDS_LOCK
@@ -304,6 +340,33 @@ class RingWriter:
         self.header[W_COMM_COUNT] += 1
         self.header[W_COMM_TABLE_USED] = used + len(raw)
         return True
+
+    def set_capture(self, capture: str) -> None:
+        """Say in the header how this rank's ops are captured ("native" or "python")."""
+        self.header[W_CAPTURE] = CAPTURE_CODES[capture]
+
+    def set_device(self, index: int, uuid: str) -> None:
+        """The rank's CUDA device index (-1: none) and UUID ("" when unknown)."""
+        self.header[W_CUDA_DEVICE] = index
+        raw = uuid.encode("utf-8")[: DEVICE_UUID_BYTES - 1]
+        self._map[DEVICE_UUID_OFFSET : DEVICE_UUID_OFFSET + DEVICE_UUID_BYTES] = raw.ljust(
+            DEVICE_UUID_BYTES, b"\0"
+        )
+
+    def comm_counters_entry(self, cid: int) -> int:
+        """Word index (in `header`) of communicator `cid`'s counter entry, added if new; -1 when full."""
+        used = self.header[W_COMM_COUNTERS_USED]
+        for slot in range(used):
+            base = COMM_COUNTERS_OFFSET // 8 + slot * COMM_COUNTER_WORDS
+            if self.header[base + C_ID] == cid:
+                return base
+        if used >= MAX_COMM_COUNTERS:
+            return -1
+        base = COMM_COUNTERS_OFFSET // 8 + used * COMM_COUNTER_WORDS
+        self.header[base + C_ID] = cid
+        self.header[base + C_INFLIGHT_SEQ] = -1
+        self.header[W_COMM_COUNTERS_USED] = used + 1
+        return base
 
     def set_peer(self, serial: int, peer: int) -> None:
         """Fill in the peer of record `serial` once known (a receive from any source)."""
@@ -352,12 +415,37 @@ def _decode_text(raw: bytes) -> str:
     return raw.split(b"\x00", 1)[0].decode("utf-8", errors="replace")
 
 
+def _comm_counters_from(words: np.ndarray) -> dict[int, CommCounters]:
+    counters = {}
+    for slot in range(min(int(words[W_COMM_COUNTERS_USED]), MAX_COMM_COUNTERS)):
+        entry = words[COMM_COUNTERS_OFFSET // 8 + slot * COMM_COUNTER_WORDS :][:COMM_COUNTER_WORDS]
+        counters[int(entry[C_ID])] = CommCounters(
+            issued=int(entry[C_ISSUED]),
+            completed=int(entry[C_COMPLETED]),
+            inflight_op=OP_NAMES.get(int(entry[C_INFLIGHT_OP]), ""),
+            inflight_seq=int(entry[C_INFLIGHT_SEQ]),
+            inflight_enqueue_ns=int(entry[C_INFLIGHT_ENQUEUE_NS]),
+            last_op=OP_NAMES.get(int(entry[C_LAST_OP]), ""),
+        )
+    return counters
+
+
 def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
     def per_op(base: int) -> dict[str, int]:
         return {name: int(words[base + code]) for code, name in OP_NAMES.items()}
 
+    version = int(words[W_VERSION])
+    later: dict = {}
+    if version >= 2:
+        later = {
+            "capture": CAPTURE_NAMES.get(int(words[W_CAPTURE]), ""),
+            "cuda_device": int(words[W_CUDA_DEVICE]),
+            "device_uuid": _decode_text(raw[DEVICE_UUID_OFFSET : DEVICE_UUID_OFFSET + DEVICE_UUID_BYTES]),
+            "comm_counters": _comm_counters_from(words),
+        }
+
     return RingHeader(
-        version=int(words[W_VERSION]),
+        version=version,
         job=_decode_text(raw[JOB_OFFSET : JOB_OFFSET + TEXT_FIELD_BYTES]),
         rank=int(words[W_RANK]),
         local_rank=int(words[W_LOCAL_RANK]),
@@ -381,6 +469,7 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
         dumps_written=int(words[W_DUMPS_WRITTEN]),
         stall_threshold_ns=int(words[W_STALL_THRESHOLD_NS]),
         writer_locks=bool(words[W_WRITER_FLAGS] & WRITER_HOLDS_LOCK),
+        **later,
     )
 
 
@@ -390,7 +479,7 @@ def _check_header(path: Path, raw: bytes) -> np.ndarray:
     if raw[:8] != MAGIC:
         raise RingFormatError(f"{path}: not a Megatrace ring file (bad magic)")
     words = np.frombuffer(raw, dtype="<i8", count=HEADER_SIZE // 8)
-    if words[W_VERSION] != FORMAT_VERSION:
+    if words[W_VERSION] not in READABLE_VERSIONS:
         raise RingFormatError(f"{path}: ring format version {int(words[W_VERSION])} is not supported")
     if words[W_RECORD_SIZE] != RECORD_SIZE or words[W_HEADER_SIZE] != HEADER_SIZE:
         raise RingFormatError(f"{path}: unexpected header or record size")

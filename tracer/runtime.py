@@ -1,7 +1,9 @@
 """The tracer inside a training process: install/uninstall, ring opening, steps, Work tracking.
 
-`install()` patches torch.distributed when tracing is enabled (and does nothing otherwise); the ring
-file opens once the default process group exists, and the watchdog starts with it.
+`install()`, when tracing is enabled (and nothing otherwise), captures ops at the process-group layer
+through the native backend wrapper (`megatrace.tracer.native`), or, where that cannot load, through
+Python wrappers of torch.distributed (one log line says so). The ring file opens once the default
+process group exists, and the watchdog starts with it.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from megatrace.config import ConfigError
-from megatrace.tracer import wrappers
+from megatrace.tracer import native, wrappers
 from megatrace.tracer.faults import FaultPlan
-from megatrace.tracer.recorder import Recorder
+from megatrace.tracer.recorder import NativeRecorder, Recorder
 from megatrace.tracer.ringfile import W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
 from megatrace.tracer.settings import (
     FaultSettings,
@@ -45,13 +48,27 @@ def _local_rank() -> int:
     return -1
 
 
+def _cuda_device() -> tuple[int, str]:
+    """(index, UUID) of this process's current CUDA device; (-1, "") without one."""
+    try:
+        if not torch.cuda.is_available():
+            return -1, ""
+        index = torch.cuda.current_device()
+        return index, str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    except Exception:  # a broken CUDA setup must not stop tracing
+        return -1, ""
+
+
 class Tracer:
     """Tracing state of this process: settings, the open ring, communicator ids, faults, watchdog."""
 
     def __init__(self, settings: TraceSettings, faults: FaultSettings) -> None:
         self.settings = settings
         self.fault_settings = faults
-        self.recorder: Recorder | None = None
+        self.recorder: Recorder | NativeRecorder | None = None
+        self.native: Any = None
+        self.native_comms: dict[tuple[int, ...], int] = {}
+        self._unhook: Callable[[], None] | None = None
         self.faults: FaultPlan | None = None
         self.watchdog: Watchdog | None = None
         self.comms: dict[Any, tuple[int, tuple[int, ...]] | None] = {}
@@ -66,7 +83,31 @@ class Tracer:
         self._open_lock = threading.Lock()
         self._step_hook: Any = None
 
-    def open_ring(self) -> Recorder | None:
+    @property
+    def capture(self) -> str:
+        """ "native" or "python": how this process captures ops."""
+        return "native" if self.native is not None else "python"
+
+    def start_native(self, module: Any) -> None:
+        """Capture at the process-group layer through the native module from now on."""
+        self.native = module
+        self._unhook = native.hook_process_groups(module, self.native_comm)
+
+    def native_comm(self, ranks: tuple[int, ...]) -> int:
+        """Communicator id of a group of global ranks; its members go to the ring's table."""
+        cid = comm_id(ranks)
+        if ranks not in self.native_comms:
+            self.native_comms[ranks] = cid
+            if self.recorder is not None:
+                self._store_members(cid, ranks)
+        return cid
+
+    def _store_members(self, cid: int, ranks: tuple[int, ...]) -> None:
+        assert self.recorder is not None
+        if not self.recorder.writer.add_communicator(cid, ranks):
+            log.warning("megatrace tracer: communicator table full; members of %x not stored", cid)
+
+    def open_ring(self) -> Recorder | NativeRecorder | None:
         """Open this rank's ring file once the default process group exists; the recorder or None.
         A ring that cannot be created (full or read-only filesystem) leaves the rank untraced, said
         once on stderr: tracing never stops training."""
@@ -85,7 +126,7 @@ class Tracer:
             )
             return None
 
-    def _open_ring(self) -> Recorder | None:
+    def _open_ring(self) -> Recorder | NativeRecorder | None:
         with self._open_lock:
             if self.recorder is not None:
                 return self.recorder
@@ -103,14 +144,32 @@ class Tracer:
             writer = RingWriter(
                 ring_path(self.job_dir, rank), identity, self.settings.capacity, stall_threshold_ns=stall_ns
             )
-            recorder = Recorder(writer, rank)
+            if self.native is not None:
+                try:
+                    self.native.attach(str(writer.path))
+                except Exception as exc:  # not seen with a build that passed the layout check
+                    native.load_error = f"cannot record into the ring: {exc}"
+                    self._fall_back_to_python()
+            writer.set_capture(self.capture)
+            writer.set_device(*_cuda_device())
+            recorder: Recorder | NativeRecorder
+            recorder = NativeRecorder(writer, rank, self.native) if self.native else Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
             self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns)
             self.watchdog.start_thread()
             self._register_step_hook()
             self.recorder = recorder
-            log.info("megatrace tracer: rank %d records to %s", rank, writer.path)
+            for ranks, cid in self.native_comms.items():
+                self._store_members(cid, ranks)
+            if self.native is None:
+                log.warning(
+                    "megatrace tracer: rank %d: native capture unavailable (%s); tracing the Python "
+                    "functions of torch.distributed instead",
+                    rank,
+                    native.load_error,
+                )
+            log.info("megatrace tracer: rank %d records to %s (%s capture)", rank, writer.path, self.capture)
         return self.recorder
 
     def lookup_comm(self, group: Any) -> tuple[int, tuple[int, ...]] | None:
@@ -179,12 +238,30 @@ class Tracer:
             self.watchdog.stop()
             self.watchdog.dump("exit")
 
+    def _fall_back_to_python(self) -> None:
+        self.stop_native()
+        fault_hooks = {
+            name: self.originals.pop(name) for name in list(self.originals) if name in wrappers.OP_SPECS
+        }
+        wrappers.unpatch(fault_hooks)
+        self.originals.update(wrappers.patch(self))
+
+    def stop_native(self) -> None:
+        """Give every process group its own backends back and stop the native recording."""
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
+        if self.native is not None:
+            self.native.detach()
+            self.native = None
+
     def close(self) -> None:
         """Stop the watchdog, drop the step hook and unmap the ring (tests and benchmarks)."""
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._step_hook is not None:
             self._step_hook.remove()
+        self.stop_native()
         if self.recorder is not None:
             self.recorder.publish()
             self.recorder.writer.close()
@@ -244,7 +321,13 @@ def install(settings: TraceSettings | None = None, faults: FaultSettings | None 
         except OSError as exc:
             print(f"megatrace tracer: not tracing: {exc}", file=sys.stderr, flush=True)
             return False
-        tracer.originals.update(wrappers.patch(tracer))
+        module = native.load(settings.native)
+        if module is not None:
+            tracer.start_native(module)
+            if faults.hang_rank >= 0 or faults.slow_rank >= 0:
+                tracer.originals.update(wrappers.patch_fault_hooks(tracer))
+        else:
+            tracer.originals.update(wrappers.patch(tracer))
         _wrap_lifecycle(tracer)
         atexit.register(tracer.at_exit)
         _tracer = tracer

@@ -1,6 +1,6 @@
 """Tracer and fault-injection settings, read from the environment and validated.
 
-``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY}`` configure the tracer; the Megatrace NCCL
+``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE}`` configure the tracer; the Megatrace NCCL
 names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the former are unset.
 ``MEGATRACE_FAULT_*`` inject a hang or a slow rank. Bad values raise `ConfigError` naming the variable.
 """
@@ -41,6 +41,8 @@ class TraceSettings:
     job: str = ""
     stall_ms: Annotated[int, Field(ge=1)] = DEFAULT_STALL_MS
     capacity: Annotated[int, Field(ge=16, le=1 << 26)] = DEFAULT_CAPACITY
+    # Capture at the process-group layer (native) where it loads; False: the Python wrappers only.
+    native: bool = True
 
 
 @dataclasses.dataclass

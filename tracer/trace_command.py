@@ -2,7 +2,8 @@
 
 Sets the tracer's environment and puts a generated ``sitecustomize.py`` first on PYTHONPATH, so every
 Python process the command starts (torchrun workers included) installs the tracer once it imports
-torch; the training script needs no change. Returns the command's exit status.
+torch; the training script needs no change. Says which capture the ranks use (native process-group
+capture, or the Python fallback and why). Returns the command's exit status.
 
 Tracing never stops training: bad ``MEGATRACE_TRACE_*``/``MEGATRACE_FAULT_*`` values, or no trace
 folder that can be written, are a loud warning and the command runs untraced (``--strict`` refuses to
@@ -99,6 +100,15 @@ def tracing_problem(env: dict[str, str]) -> str | None:
     return None
 
 
+def capture_description(wanted: bool) -> str:
+    """Which capture the ranks will use, as this process finds it (same torch, same environment)."""
+    try:
+        from megatrace.tracer import native
+    except ImportError as exc:
+        return f"decided by each rank (torch not importable here: {exc})"
+    return native.capture_description(wanted)
+
+
 def run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
@@ -127,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
             env["NCCL_MEGATRACE_ENABLE"] = "0"
         else:
             (Path(site) / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
+            wanted = trace_settings(env).native
+            print(f"megatrace trace: capture: {capture_description(wanted)}", file=sys.stderr, flush=True)
         try:
             proc = subprocess.Popen(cmd, env=env)
         except OSError as exc:

@@ -5,13 +5,15 @@ buffer, root/peer and ``async_op`` from its parameters, records the op, calls th
 records its completion: on return for synchronous calls, from the
 Work's future for asynchronous ones (or from ``wait()`` on Works without a future, such as gloo's
 point-to-point Works). Functions that only delegate to another wrapped function are left alone, so
-every op is recorded once.
+every op is recorded once. This is the fallback capture, used where the native one cannot load;
+with the native capture, `patch_fault_hooks` puts only the fault injection on these functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import dis
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -306,6 +308,31 @@ def patch(tracer: Tracer) -> dict[str, Callable]:
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapper)
+    return originals
+
+
+def _fault_hook(tracer: Tracer, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        recorder = tracer.recorder
+        if tracer.faults is not None and recorder is not None:
+            tracer.faults.before_call(recorder.serial + 1, recorder.step)
+        return original(*args, **kwargs)
+
+    hooked.__megatrace__ = True  # type: ignore[attr-defined]
+    return hooked
+
+
+def patch_fault_hooks(tracer: Tracer) -> dict[str, Callable]:
+    """With the native capture recording: hooks on the same functions that only apply the injected
+    faults (a hang, a slow rank) before each op; returns the originals."""
+    originals = {}
+    for name, original in functions_to_wrap().items():
+        originals[name] = original
+        hooked = _fault_hook(tracer, original)
+        setattr(c10d, name, hooked)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, hooked)
     return originals
 
 

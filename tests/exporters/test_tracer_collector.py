@@ -78,6 +78,10 @@ def test_live_rank_counters(tmp_path: Path) -> None:
     assert value(text, "megatrace_tracer_rank_alive", **rank) == 1
     assert value(text, "megatrace_tracer_stall_threshold_seconds", **rank) == 45
     assert value(text, "megatrace_tracer_rank_info", **rank, world_size="16", pid=str(os.getpid())) == 1
+    comm = {**rank, "comm": str(cid)}
+    assert value(text, "megatrace_tracer_comm_ops_issued_total", **comm) == 5
+    assert value(text, "megatrace_tracer_comm_ops_completed_total", **comm) == 4
+    assert 30 <= value(text, "megatrace_tracer_comm_oldest_inflight_seconds", **comm) < 60
     result = promtool_check(text)
     assert result.returncode == 0, result.stdout + result.stderr
     recorder.writer.close()

@@ -15,6 +15,8 @@ from megatrace.tracer.ringfile import (
     DTYPE_CODES,
     FLAG_ASYNC,
     OP_CODES,
+    W_VERSION,
+    CommCounters,
     RankIdentity,
     RingFormatError,
     RingWriter,
@@ -59,8 +61,13 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     snap = read_ring(tmp_path / "job" / "rank-3.trace")
     h = snap.header
     assert (h.version, h.job, h.rank, h.local_rank, h.world_size, h.host, h.pid) == (
-        1, "job 7/α", 3, 1, 8, "node-3", 4242,
+        2, "job 7/α", 3, 1, 8, "node-3", 4242,
     )  # fmt: skip
+    assert (h.capture, h.cuda_device, h.device_uuid) == ("", -1, "")
+    assert h.comm_counters == {
+        cid: CommCounters(issued=3, completed=1, inflight_op="all_gather", inflight_seq=1,
+                          inflight_enqueue_ns=int(snap.records["enqueue_ns"][1]))
+    }  # fmt: skip
     assert h.calls_by_op["all_reduce"] == 1 and h.calls_by_op["all_gather"] == 1
     assert h.bytes_by_op["all_reduce"] == 64 and h.bytes_by_op["send"] == 8
     assert h.oldest_inflight_op == "all_gather"
@@ -85,10 +92,31 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     rec.publish()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert h.oldest_inflight_op == "send"
+    assert (h.comm_counters[cid].completed, h.comm_counters[cid].inflight_op) == (2, "send")
     rec.end(send)
     rec.publish()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert (h.oldest_inflight_op, h.oldest_inflight_enqueue_ns) == ("", 0)
+    assert h.comm_counters[cid] == CommCounters(issued=3, completed=3)
+
+
+def test_version_1_files_are_read_and_unknown_versions_refused(tmp_path: Path) -> None:
+    writer = make_writer(tmp_path)
+    writer.set_capture("native")
+    writer.set_device(3, "GPU-5d7b")
+    assert (read_header(writer.path).capture, read_header(writer.path).device_uuid) == ("native", "GPU-5d7b")
+    writer.header[W_VERSION] = 1
+    old = read_header(writer.path)
+    assert (old.version, old.capture, old.cuda_device, old.device_uuid, old.comm_counters) == (
+        1,
+        "",
+        -1,
+        "",
+        {},
+    )
+    writer.header[W_VERSION] = 3
+    with pytest.raises(RingFormatError, match="ring format version 3 is not supported"):
+        read_ring(writer.path)
 
 
 def test_ring_wraps_and_keeps_newest_in_order(tmp_path: Path) -> None:

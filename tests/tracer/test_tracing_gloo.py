@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 from megatrace.tracer.dumpfile import read_dump
-from megatrace.tracer.ringfile import FLAG_ASYNC, OP_NAMES, RingSnapshot, comm_id, read_header, read_ring
+from megatrace.tracer.ringfile import (
+    FLAG_ASYNC,
+    FLAG_PROCESS_GROUP,
+    OP_NAMES,
+    RingSnapshot,
+    comm_id,
+    read_header,
+    read_ring,
+)
 from tests.support.gloo_job import run_traced_job, start_traced_job
 from tests.tracer import ops_job
 
@@ -86,7 +94,12 @@ def expected_records(rank: int) -> list[tuple[str, tuple[int, ...], int, int, bo
     return expected
 
 
-def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(tmp_path: Path) -> None:
+@pytest.mark.parametrize("capture", ["native", "python"])
+def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
+    tmp_path: Path, capture: str, request: pytest.FixtureRequest
+) -> None:
+    if capture == "native":
+        request.getfixturevalue("native_module")
     torchrun = Path(sys.executable).with_name("torchrun")
     argv = [
         sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "ops",
@@ -94,8 +107,10 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(tmp_
         str(HERE / "ops_job.py"),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
+    env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"megatrace trace: capture: {capture}" in done.stderr
 
     snaps = rings(tmp_path / "ops")
     for rank, snap in snaps.items():
@@ -106,10 +121,17 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(tmp_
             assert snap.communicators[int(row["comm_id"])] == members
             assert (int(row["nbytes"]), int(row["rank"]), int(row["peer"])) == (nbytes, rank, peer)
             assert row["complete_ns"] >= row["enqueue_ns"] > 0
-            if is_async is not None:  # sync send/recv are isend/irecv + wait in some torch versions
+            # The process-group layer cannot tell whether the caller asked for an async op.
+            assert bool(row["flags"] & FLAG_PROCESS_GROUP) == (capture == "native")
+            if (
+                is_async is not None and capture == "python"
+            ):  # sync send/recv: isend/irecv + wait in some torch
                 assert bool(row["flags"] & FLAG_ASYNC) == is_async
         h = snap.header
+        assert h.capture == capture and h.cuda_device == -1
         assert h.finished and h.oldest_inflight_enqueue_ns == 0
+        assert sum(c.issued for c in h.comm_counters.values()) == len(snap.records)
+        assert all(c.completed == c.issued and c.inflight_seq == -1 for c in h.comm_counters.values())
         assert h.calls_by_op["all_gather"] == 4 and h.bytes_by_op["all_reduce"] == 40 + 48 + 12
         assert sum(h.calls_by_op.values()) == len(r)
     assert assert_collectives_line_up(snaps) == 12 + 2 * 3 + 2 * 2  # world, 2 pair groups, 2 even/odd groups
