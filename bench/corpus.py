@@ -78,7 +78,7 @@ def plan(runs: int, seed: int = SEED) -> list[Run]:
     return out
 
 
-def record(run: Run, out: Path, capacity: int = 0) -> float:
+def record(run: Run, out: Path, capacity: int = 0, capture: str = "native") -> float:
     """Record one run under `out`/`run.name`; returns the seconds it took (0 when already there)."""
     folder = out / run.name
     if (folder / "done").exists():
@@ -97,6 +97,7 @@ def record(run: Run, out: Path, capacity: int = 0) -> float:
         f"--job={run.name}", "--stall-ms=1500", *([f"--capacity={capacity}"] if capacity else []), "--", *job,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
+    env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     start = time.monotonic()
     with open(folder / "job.log", "wb") as log:
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs = [r for r in plan(args.runs, args.seed) if args.only in (None, r.fault)][: args.limit]
     for i, run in enumerate(runs, 1):
-        took = record(run, args.out, args.capacity)
+        took = record(run, args.out, args.capacity, args.capture)
         print(
             f"[{i}/{len(runs)}] {run.name} world {run.world} tp {run.tp} pp {run.pp}: {took:.0f} s",
             flush=True,
