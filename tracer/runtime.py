@@ -228,15 +228,17 @@ class Tracer:
         self.comms.clear()
 
     def at_exit(self) -> None:
-        """Flag a clean exit (no uncaught exception), write the exit dump, stop the watchdog."""
+        """Flag a clean exit (no uncaught exception), write the exit dump, stop the watchdog, and stop
+        the native capture before the interpreter is torn down: a Work its completion thread released
+        during finalization would take the GIL from a dying interpreter, which aborts the process."""
         recorder = self.recorder
-        if recorder is None:
-            return
-        if getattr(sys, "last_value", None) is None:
-            recorder.header[W_FINISHED] = 1
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog.dump("exit")
+        if recorder is not None:
+            if getattr(sys, "last_value", None) is None:
+                recorder.header[W_FINISHED] = 1
+            if self.watchdog is not None:
+                self.watchdog.stop()
+                self.watchdog.dump("exit")
+        self.stop_native()
 
     def _fall_back_to_python(self) -> None:
         self.stop_native()
