@@ -27,13 +27,14 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from tests.support.services import free_port
 
 FAULTS = ("none", "hang-compute", "hang-collective", "hang-p2p", "slow-compute", "slow-comm", "slow-loader")
 DUMP_REQUEST = "dump-now"
@@ -375,17 +376,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
     """Start the workers as torchrun would; for a hang, ask for the dumps once the job is stuck, then kill."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(args.world):
         env = dict(
