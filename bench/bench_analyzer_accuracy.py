@@ -149,7 +149,13 @@ def score_corpus(root: Path) -> list[Score]:
         for source, title in (("ring", "our tracer's ring files"), ("fr", "Flight Recorder dumps by torch"))
         for flags in (False, True)
     }
-    for run in sorted(p for p in root.iterdir() if (p / "done").exists()):
+    runs = sorted(p for p in root.iterdir() if (p / "done").exists())
+    unusable = [run.name for run in runs if not (run / "label.json").exists()]
+    if unusable:
+        print(f"skipped {len(unusable)} run(s) whose job never started (no label.json):", *unusable)
+    for run in runs:
+        if run.name in unusable:
+            continue
         label = json.loads((run / "label.json").read_text())
         kind = "healthy" if label["fault"] == "none" else label["fault"].split("-")[0]
         culprits = set() if kind == "healthy" else {label["rank"]}
