@@ -119,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--capacity", type=int, default=0, help="ring records per rank (default: the tracer's)"
     )
+    parser.add_argument(
+        "--capture",
+        choices=("native", "python"),
+        default="native",
+        help="the tracer's capture (default native)",
+    )
     args = parser.parse_args(argv)
     runs = [r for r in plan(args.runs, args.seed) if args.only in (None, r.fault)][: args.limit]
     for i, run in enumerate(runs, 1):
