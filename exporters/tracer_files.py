@@ -129,9 +129,7 @@ class TracerCollector:
             labels,
             max(h.last_complete_ns, h.start_time_ns) * NS,
         )
-        inflight = 0.0
-        if h.oldest_inflight_enqueue_ns and not h.finished:
-            inflight = max(0.0, now - h.oldest_inflight_enqueue_ns * NS)
+        inflight = _inflight_age(h.oldest_inflight_enqueue_ns, h.finished, now)
         families.gauge(
             "oldest_inflight_seconds",
             "Age of the rank's oldest collective still in flight (0 when none).",
@@ -178,9 +176,7 @@ class TracerCollector:
                 "comm_ops_issued_total", "Ops the rank issued on the communicator.", comm, counters.issued
             )
             families.counter("comm_ops_completed_total", "Its ops that completed.", comm, counters.completed)
-            age = 0.0
-            if counters.inflight_enqueue_ns and not h.finished:
-                age = max(0.0, now - counters.inflight_enqueue_ns * NS)
+            age = _inflight_age(counters.inflight_enqueue_ns, h.finished, now)
             families.gauge(
                 "comm_oldest_inflight_seconds",
                 "Age of the communicator's oldest op still in flight on the rank (0 when none).",
@@ -192,3 +188,8 @@ class TracerCollector:
 def _rank_of(path: Path) -> int:
     number = path.stem.removeprefix("rank-")
     return int(number) if number.isdigit() else -1
+
+
+def _inflight_age(enqueue_ns: int, finished: bool, now: float) -> float:
+    """Seconds an op enqueued at `enqueue_ns` has been in flight (0 when none, or the rank finished)."""
+    return max(0.0, now - enqueue_ns * NS) if enqueue_ns and not finished else 0.0

@@ -118,3 +118,22 @@ def run_traced_job(
         if proc.returncode != 0:
             raise RuntimeError(f"traced job {job_dir.name} exited with {proc.returncode}:\n{log}")
         return job_dir
+
+
+def trace_under_torchrun(
+    trace_dir: Path, job: str, script: Path, nprocs: int, native: bool | None = None, timeout: float = 280
+) -> subprocess.CompletedProcess:
+    """Run `script` with torchrun (`nprocs` ranks) under ``megatrace trace`` into `trace_dir`/`job`;
+    `native` forces the capture (None: the tracer's default). Fails the test if the job fails."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    argv = [
+        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(trace_dir), "--job", job,
+        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", str(nprocs),
+        str(script),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
+    if native is not None:
+        env["MEGATRACE_TRACE_NATIVE"] = "1" if native else "0"
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

@@ -31,6 +31,7 @@ from megatrace.tracer.ringfile import (
 )
 from megatrace.tracer.watchdog import Watchdog, is_stalled
 from tests.exporters.exposition import render, value
+from tests.support.gloo_job import trace_under_torchrun
 from tests.tracer import paths_job, pipeline_job
 from tests.tracer.test_tracing_gloo import assert_collectives_line_up, wait_for
 
@@ -39,16 +40,7 @@ WORLD = (0, 1)
 
 
 def run_paths_job(tmp_path: Path, native: bool) -> tuple[dict[int, RingSnapshot], str]:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [
-        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "paths",
-        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", "2",
-        str(HERE / "paths_job.py"),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
-    env["MEGATRACE_TRACE_NATIVE"] = "1" if native else "0"
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = trace_under_torchrun(tmp_path, "paths", HERE / "paths_job.py", 2, native)
     snaps = {rank: read_ring(tmp_path / "paths" / f"rank-{rank}.trace") for rank in WORLD}
     return snaps, done.stderr
 
@@ -238,15 +230,7 @@ def test_native_capture_that_cannot_work_falls_back_to_python_with_one_log_line(
 def test_pipeline_stages_with_ddp_on_data_parallel_subgroups(
     tmp_path: Path, native_module: ModuleType
 ) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [
-        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "pp",
-        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", "4",
-        str(HERE / "pipeline_job.py"),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
+    trace_under_torchrun(tmp_path, "pp", HERE / "pipeline_job.py", 4)
     snaps = {rank: read_ring(tmp_path / "pp" / f"rank-{rank}.trace") for rank in range(4)}
     for rank, snap in snaps.items():
         dp, pp = (rank // 2 * 2, rank // 2 * 2 + 1), (rank % 2, rank % 2 + 2)

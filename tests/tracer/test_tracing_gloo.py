@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,7 +21,7 @@ from megatrace.tracer.ringfile import (
     read_header,
     read_ring,
 )
-from tests.support.gloo_job import run_traced_job, start_traced_job
+from tests.support.gloo_job import run_traced_job, start_traced_job, trace_under_torchrun
 from tests.tracer import ops_job
 
 pytestmark = pytest.mark.slow
@@ -100,16 +98,7 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
 ) -> None:
     if capture == "native":
         request.getfixturevalue("native_module")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    argv = [
-        sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", str(tmp_path), "--job", "ops",
-        "--stall-ms", "60000", "--", str(torchrun), "--standalone", "--nproc-per-node", "4",
-        str(HERE / "ops_job.py"),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
-    env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = trace_under_torchrun(tmp_path, "ops", HERE / "ops_job.py", 4, capture == "native", timeout=240)
     assert f"megatrace trace: capture: {capture}" in done.stderr
 
     snaps = rings(tmp_path / "ops")
