@@ -173,7 +173,7 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
         name = entry.get("profiling_name", "")
         p2p = _P2P.search(name)
         if p2p:
-            kind, a, arrow, b = p2p.groups()
+            _kind, a, arrow, b = p2p.groups()
             a_g, b_g = (
                 (members[int(a)], members[int(b)])
                 if members and max(int(a), int(b)) < len(members)
@@ -183,11 +183,11 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
             key: object = ("p2p", pg, src, dst)
             seq = p2p_count.get(key, 0)
             p2p_count[key] = seq + 1
-            comm_members, is_p2p, peer = tuple(sorted({src, dst})), True, (dst if kind == "send" else src)
+            comm_members, is_p2p = tuple(sorted({src, dst})), True
         else:
             key = ("pg", pg)
             seq = int(entry.get("collective_seq_id", 0))
-            comm_members, is_p2p, peer = members, False, -1
+            comm_members, is_p2p = members, False
         if key not in index:
             index[key] = len(comms)
             comms.append((key, comm_members, is_p2p))
@@ -197,11 +197,11 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
             done = int(entry.get("time_discovered_completed_ns") or 0) or created
         elif not is_p2p and seq <= completed_through.get(str(entry.get("pg_id")), -1):
             done = created  # completed (pg_status says so); torch keeps no time for it
-        rows.append((index[key], seq, _op(name), _nbytes(entry), created, done, peer))
+        rows.append((index[key], seq, _op(name), _nbytes(entry), created, done))
     cols = empty_columns(len(rows))
     if rows:
         arr = np.array(rows, dtype=np.int64)
-        for j, col in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns", "peer")):
+        for j, col in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns")):
             cols[col][:] = arr[:, j]
     cols["rank"][:] = rank
     # torch writes no dump time: the file's modification time is when it was written

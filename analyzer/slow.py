@@ -16,6 +16,8 @@ together, with no straggler anywhere, is reported as a slow group (imbalance).
 from __future__ import annotations
 
 import itertools
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +33,7 @@ WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before 
 WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
 MAX_WINDOWS = 12
 MIN_REL = 0.02
+_DIRECTED = re.compile(r"(-?\d+), (-?\d+)\)$")  # a pipeline channel's key ends with (…, src, dst)
 MIN_PERSISTENCE = 0.7
 MAX_PASSES = 3
 
@@ -72,10 +75,29 @@ def rank_hosts(table: TraceTable, layout: Layout | None) -> list[str]:
     return hosts
 
 
-def _matrices(table: TraceTable):
-    """Yield (comm, members, enqueue matrix, completion matrix or None) per usable communicator."""
+@dataclass
+class _Comm:
+    """One usable communicator's rows, sorted: its members and, per member row, rank, seq, times."""
+
+    comm: int
+    members: np.ndarray
+    rank: np.ndarray
+    seq: np.ndarray
+    enq: np.ndarray
+    done: np.ndarray
+    low: int  # the first sequence number looked at
+    times: np.ndarray  # per sequence number from `low`: its first member's enqueue time (NaN: absent)
+    t0: int  # times are from this moment
+
+
+def _comms(table: TraceTable, channels: frozenset[int] = frozenset()):
+    """Yield every communicator (and every pipeline channel in `channels`) with enough instances to judge,
+    as one contiguous slice of rows."""
     cols = table.columns
-    usable = np.array([len(c.members) >= 2 and not c.p2p for c in table.comms] + [False], dtype=bool)
+    usable = np.array(
+        [len(c.members) >= 2 and (not c.p2p or i in channels) for i, c in enumerate(table.comms)] + [False],
+        dtype=bool,
+    )
     comm = cols["comm"]
     keep = np.flatnonzero(usable[comm]) if len(comm) else np.zeros(0, dtype=np.int64)
     if not len(keep):
@@ -95,26 +117,38 @@ def _matrices(table: TraceTable):
         seq = c_seq[lo:hi]
         if len(seq) < MIN_INSTANCES * len(members):
             continue
-        # sequence numbers are consecutive per communicator: they index the columns directly (only the
-        # newest 2 * MAX_INSTANCES are looked at; instances some member lacks are dropped below)
+        # sequence numbers are consecutive per communicator: they index the instances directly (only the
+        # newest 2 * MAX_INSTANCES are looked at)
         top = int(seq.max())
         low = max(int(seq.min()), top - 2 * MAX_INSTANCES + 1)
-        window = np.flatnonzero(seq >= low) + lo
-        idx = np.minimum(np.searchsorted(members, c_rank[window]), len(members) - 1)
-        valid = members[idx] == c_rank[window]
-        window, idx = window[valid], idx[valid]
-        col = c_seq[window] - low
-        enq = np.full((len(members), top - low + 1), np.nan)
-        enq[idx, col] = c_enq[window] - t0
-        raw = c_done[window]
-        done = np.full((len(members), top - low + 1), np.nan)
-        done[idx, col] = np.where(raw > 0, raw - t0, np.nan)
-        full = ~np.isnan(enq).any(axis=0)
-        enq, done = enq[:, full][:, -MAX_INSTANCES:], done[:, full][:, -MAX_INSTANCES:]
-        if enq.shape[1] < MIN_INSTANCES:
-            continue
-        has_done = not bool(np.isnan(done).any())
-        yield c, members, enq, (done if has_done else None)
+        rows = slice(lo, hi)
+        first = (c_rank[rows] == members[0]) & (seq >= low)
+        times = np.full(top - low + 1, np.nan)
+        times[seq[first] - low] = c_enq[rows][first] - t0
+        yield _Comm(c, members, c_rank[rows], seq, c_enq[rows] - t0, c_done[rows], low, times, t0)
+
+
+def _matrix(cm: _Comm, wanted: np.ndarray, hosts: list[str]):
+    """(comm, members, enqueue matrix, completion matrix or None) over the `wanted` sequence numbers
+    (ascending) that every member reached. Completion times serve clock alignment only, so they are
+    gathered only for communicators spanning several hosts."""
+    pos = np.full(len(cm.times), -1, dtype=np.int64)
+    pos[wanted - cm.low] = np.arange(len(wanted))
+    inside = cm.seq >= cm.low
+    col = np.where(inside, pos[np.where(inside, cm.seq - cm.low, 0)], -1)
+    idx = np.minimum(np.searchsorted(cm.members, cm.rank), len(cm.members) - 1)
+    take = np.flatnonzero((col >= 0) & (cm.members[idx] == cm.rank))
+    enq = np.full((len(cm.members), len(wanted)), np.nan)
+    enq[idx[take], col[take]] = cm.enq[take]
+    full = ~np.isnan(enq).any(axis=0)
+    done = None
+    if len({hosts[m] for m in cm.members.tolist()}) > 1:
+        raw = cm.done[take]
+        done = np.full(enq.shape, np.nan)
+        done[idx[take], col[take]] = np.where(raw > 0, raw - cm.t0, np.nan)
+        done = done[:, full]
+        done = None if bool(np.isnan(done).any()) else done
+    return cm.comm, cm.members, enq[:, full], done, wanted[full]
 
 
 def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
@@ -133,20 +167,73 @@ def _host_offsets(mats, hosts: list[str]) -> dict[str, float]:
     return {host: float(np.median(values)) for host, values in per_host.items()}
 
 
+def _aligned(mat, hosts: list[str], offsets: dict[str, float]):
+    """The matrix with every member's clock offset taken out of its arrivals."""
+    c, members, enq, done, kept = mat
+    shift = np.array([offsets.get(hosts[m], 0.0) for m in members.tolist()])[:, None]
+    return c, members, enq - shift, done, kept
+
+
+def _channel_classes(table: TraceTable, layout: Layout | None) -> dict[int, tuple[tuple[int, int], int]]:
+    """Pipeline channels worth judging: their class, (stage of sender, stage of receiver), and sender.
+    Channels of one class carry the same transfers of other pipeline replicas (DP) or tensor ranks (TP),
+    so a channel whose sender or receiver runs late against its class shows a slow rank; a stage that is
+    slower by design (the loss, the embedding) is slow in every channel of its class alike. A class
+    of one channel (a single pipeline) has nothing to compare with and is left out."""
+    if layout is None or layout.sizes.get("pp", 1) < 2:
+        return {}
+    found: dict[int, tuple[tuple[int, int], int]] = {}
+    for i, comm in enumerate(table.comms):
+        direction = _DIRECTED.search(comm.key) if comm.p2p else None
+        if direction is None:
+            continue
+        src, dst = int(direction[1]), int(direction[2])
+        if max(src, dst) < layout.world_size and src != dst:
+            found[i] = ((layout.coords(src)["pp"], layout.coords(dst)["pp"]), src)
+    sizes = Counter(cls for cls, _src in found.values())
+    return {i: entry for i, entry in found.items() if sizes[entry[0]] >= 2}
+
+
+def _pipeline_residuals(mats: dict, classes: dict[int, tuple[tuple[int, int], int]]) -> None:
+    """Judge each pipeline channel against its class: the sender's lead over the receiver in every
+    transfer, less the class's median lead in the same transfer (sequence number), is what is left for
+    a slow rank to explain. The channel's two rows are rewritten around their midpoints, so the call
+    interval and the time windows stay as they were."""
+    by_class: dict[tuple[int, int], list[int]] = {}
+    for i, mat in mats.items():
+        if mat[0] in classes:
+            by_class.setdefault(classes[mat[0]][0], []).append(i)
+    for channels in by_class.values():
+        if len(channels) < 2:
+            continue
+        seqs = np.unique(np.concatenate([mats[i][4] for i in channels]))
+        lead = np.full((len(channels), len(seqs)), np.nan)
+        sender = {}
+        for row, i in enumerate(channels):
+            c, members, t, _done, kept = mats[i]
+            sender[i] = int(members[0] != classes[c][1])  # the sender's row
+            lead[row, np.searchsorted(seqs, kept)] = (t[sender[i]] - t[1 - sender[i]]) / 2
+        typical = np.nanmedian(lead, axis=0)
+        for row, i in enumerate(channels):
+            c, members, t, done, kept = mats[i]
+            at = np.searchsorted(seqs, kept)
+            rest = lead[row, at] - typical[at]
+            mid = t.mean(axis=0)
+            fixed = np.empty_like(t)
+            fixed[sender[i]], fixed[1 - sender[i]] = mid + rest, mid - rest
+            mats[i] = (c, members, fixed, done, kept)
+
+
 def comm_lateness(
     mats,
-    hosts: list[str],
-    offsets: dict[str, float],
     masked: frozenset[int] = frozenset(),
     strides: dict[int, int] | None = None,
 ) -> list[CommLateness]:
-    """Lateness of every member per communicator; `masked` ranks are left out of the instance medians.
-    `strides`: communicators whose instances were sampled every k-th (the call interval is k times less
-    than the gap between the instances kept)."""
+    """Lateness of every member per communicator (clocks already aligned); `masked` ranks are left out of
+    the instance medians. `strides`: communicators whose instances were sampled every k-th (the call
+    interval is k times less than the gap between the instances kept)."""
     out = []
-    for c, members, enq, _done in mats:
-        shift = np.array([offsets.get(hosts[m], 0.0) for m in members.tolist()])[:, None]
-        t = enq - shift
+    for c, members, t, _done in mats:
         unmasked = np.array([m not in masked for m in members.tolist()])
         med = np.median(t[unmasked] if unmasked.any() else t, axis=0)
         late = t - med[None, :]
@@ -161,7 +248,7 @@ def comm_lateness(
                 np.median(late, axis=1),
                 (late > 0).mean(axis=1),
                 max(interval, 1.0),
-                enq.shape[1],
+                t.shape[1],
             )
         )
     return out
@@ -175,9 +262,10 @@ class _Round:
     is_late: dict[int, set[int]]
     judged: dict[int, set[int]]
     local: set[int]
+    channels: frozenset[int]  # pipeline channels among the communicators
 
 
-def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
+def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
     late: dict[int, dict[int, tuple[float, float, CommLateness]]] = {}
     for cl in per_comm:
         rel = cl.late_ns / cl.interval_ns
@@ -191,7 +279,7 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str]) -> _Round:
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
     judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
-    return _Round(late, is_late, judged, local)
+    return _Round(late, is_late, judged, local, channels)
 
 
 def _trails_everywhere(m: int, rnd: _Round, not_early: float = MIN_PERSISTENCE) -> bool:
@@ -204,7 +292,20 @@ def _trails_everywhere(m: int, rnd: _Round, not_early: float = MIN_PERSISTENCE) 
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
-    return all(c in rnd.is_late[m] or (late[c][0] >= 0 and late[c][1] >= not_early) for c in judged)
+    return all(
+        c in rnd.is_late[m]
+        or (late[c][0] >= 0 and late[c][1] >= not_early)
+        or (c in rnd.channels and not _clearly_early(late[c], not_early))
+        for c in judged
+    )
+
+
+def _clearly_early(entry: tuple[float, float, CommLateness], not_early: float) -> bool:
+    """Early by the margin a straggler is late by, in the share of instances it is late in. A pipeline
+    channel has two ends only, so its noise is large: there a straggler need only not be clearly early,
+    while a rank clearly early in a channel still waits for its peer (a victim)."""
+    rel, pers, _cl = entry
+    return rel <= -MIN_REL and pers <= 1 - not_early
 
 
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
@@ -229,14 +330,35 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     """Stragglers over the whole trace and, in long traces, in each time window (a slowdown that lasted
     a while is found even when the trace goes on healthy for longer)."""
     hosts = rank_hosts(table, layout)
-    mats = list(_matrices(table))
-    offsets = _host_offsets(mats, hosts)
+    classes = _channel_classes(table, layout)
+    comms = list(_comms(table, frozenset(classes)))
+    plan = _time_windows(comms)
+    # one matrix per communicator over every instance some pass looks at; each pass takes its columns
+    wanted = [
+        np.unique(np.concatenate([seqs[i] for _l, seqs, _s in plan if i in seqs])) for i in range(len(comms))
+    ]
+    built = [_matrix(cm, w, hosts) for cm, w in zip(comms, wanted, strict=True)]
+    mats = {i: m for i, m in enumerate(built) if m[2].shape[1] >= MIN_INSTANCES}
+    offsets = _host_offsets([m[:4] for m in mats.values()], hosts)
+    mats = {i: _aligned(m, hosts, offsets) for i, m in mats.items()}
+    _pipeline_residuals(mats, classes)
+    channels = frozenset(classes)
     best: dict[int, SlowSuspect] = {}
     windows: dict[int, int] = {}
     whole: set[int] = set()
     first: _Round | None = None
-    for window, part, strides in _time_windows(mats):
-        found, rnd = _stragglers(part, hosts, offsets, 0.5 if window else MIN_PERSISTENCE, strides)
+    for window, seqs, strides in plan:
+        part = []
+        for i, want in seqs.items():
+            if i not in mats:
+                continue
+            c, members, enq, done, kept = mats[i]
+            cols = np.isin(kept, want)
+            if not window:  # the newest instances every member reached
+                cols &= np.cumsum(cols[::-1])[::-1] <= WHOLE_INSTANCES
+            if cols.sum() >= MIN_INSTANCES:
+                part.append((c, members, enq[:, cols], None if done is None else done[:, cols]))
+        found, rnd = _stragglers(part, hosts, 0.5 if window else MIN_PERSISTENCE, strides, channels)
         first = first or rnd
         for suspect in found:
             if window and suspect.relative < WINDOW_MIN_REL:
@@ -256,65 +378,65 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     return SlowResult(suspects, offsets, len(mats))
 
 
-def _time_windows(mats: list) -> list[tuple[str, list, dict[int, int]]]:
-    """The newest `WHOLE_INSTANCES` instances of every communicator, then, when communicators have enough
-    instances for each window to be judged alone, equal time windows over the whole trace. A window
-    keeps at most `WINDOW_SAMPLE` instances of a communicator, every k-th (k is returned per
-    communicator, so the call interval is still known): the cost stays bounded however long the trace."""
-    newest = [
-        (c, m, enq[:, -WHOLE_INSTANCES:], None if d is None else d[:, -WHOLE_INSTANCES:])
-        for c, m, enq, d in mats
-    ]
-    parts: list[tuple[str, list, dict[int, int]]] = [("", newest, {})]
-    busiest = max((enq.shape[1] for _c, _m, enq, _d in mats), default=0)
+def _time_windows(comms: list[_Comm]) -> list[tuple[str, dict[int, np.ndarray], dict[int, int]]]:
+    """Which instances each pass looks at, per communicator (index into `comms`): the newest
+    `WHOLE_INSTANCES` of every communicator, then, when communicators have enough instances for each
+    window to be judged alone, equal time windows over the whole trace. A window keeps at most
+    `WINDOW_SAMPLE` instances of a communicator, every k-th (k is returned per communicator, so the call
+    interval is still known): the cost stays bounded however long the trace. Instances are placed in
+    time by their first member's arrival, and chosen before any matrix is built."""
+    seen = [np.flatnonzero(~np.isnan(cm.times))[-MAX_INSTANCES:] for cm in comms]
+    # a margin over `WHOLE_INSTANCES`: the newest instances may not have been reached by every member yet
+    newest = {i: s[-WHOLE_INSTANCES - 64 :] + comms[i].low for i, s in enumerate(seen)}
+    plan: list[tuple[str, dict[int, np.ndarray], dict[int, int]]] = [("", newest, {})]
+    busiest = max((len(s) for s in seen), default=0)
     count = min(MAX_WINDOWS, busiest // WINDOW_INSTANCES)
     if count < 2:
-        return parts
-    mids = [enq.mean(axis=0) for _c, _m, enq, _d in mats]  # instances are in time order
-    t_lo = min(float(mid[0]) for mid in mids)
-    t_hi = max(float(mid[-1]) for mid in mids)
+        return plan
+    times = [cm.times[s] for cm, s in zip(comms, seen, strict=True)]  # one rank's arrivals: ascending
+    t_lo = min(float(t[0]) for t in times if len(t))
+    t_hi = max(float(t[-1]) for t in times if len(t))
     edges = np.linspace(t_lo, t_hi, count + 1)
     for lo, hi in itertools.pairwise(edges.tolist()):
-        part, strides = [], {}
-        for (c, members, enq, done), mid in zip(mats, mids, strict=True):
-            first, last = np.searchsorted(mid, [lo, hi], side="left")
+        part, strides = {}, {}
+        for i, (s, t) in enumerate(zip(seen, times, strict=True)):
+            first, last = np.searchsorted(t, [lo, hi], side="left")
             if last - first < max(MIN_INSTANCES, WINDOW_INSTANCES // 4):
                 continue
             stride = max(1, int(last - first) // WINDOW_SAMPLE)
-            keep = slice(int(first), int(last), stride)
-            part.append((c, members, enq[:, keep], None if done is None else done[:, keep]))
-            strides[c] = stride
+            part[i] = s[int(first) : int(last) : stride] + comms[i].low
+            strides[comms[i].comm] = stride
         if part:
             label = f"from {(lo - t_lo) / 1e9:.0f} s to {(hi - t_lo) / 1e9:.0f} s of the trace"
-            parts.append((label, part, strides))
-    return parts
+            plan.append((label, part, strides))
+    return plan
 
 
 def _stragglers(
-    mats: list, hosts: list[str], offsets: dict[str, float], not_early: float, strides: dict[int, int]
+    mats: list, hosts: list[str], not_early: float, strides: dict[int, int], channels: frozenset[int]
 ) -> tuple[list[SlowSuspect], _Round]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
     a communicator with a severe one (both late in the same DP group, say) is not hidden behind it."""
     stragglers: list[int] = []
     suspects = []
-    per_comm = comm_lateness(mats, hosts, offsets, strides=strides)
+    per_comm = comm_lateness(mats, strides=strides)
     first: _Round | None = None
     for _pass in range(MAX_PASSES):
         if stragglers:  # only communicators holding a straggler have new medians
             masked = frozenset(stragglers)
             touched = [i for i, (_c, members, _e, _d) in enumerate(mats) if masked & set(members.tolist())]
-            redone = comm_lateness([mats[i] for i in touched], hosts, offsets, masked, strides)
+            redone = comm_lateness([mats[i] for i in touched], masked, strides)
             for i, cl in zip(touched, redone, strict=True):
                 per_comm[i] = cl
-        rnd = _lateness_round(per_comm, hosts)
+        rnd = _lateness_round(per_comm, hosts, channels)
         first = first or rnd
         found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd, not_early)]
         if not found:
             break
         stragglers.extend(found)
         suspects.extend(_straggler(m, rnd) for m in found)
-    return suspects, first or _lateness_round(per_comm, hosts)
+    return suspects, first or _lateness_round(per_comm, hosts, channels)
 
 
 def _slow_groups(rnd: _Round) -> list[SlowSuspect]:

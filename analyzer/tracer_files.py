@@ -69,18 +69,17 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     """Columns of one rank's snapshot; P2P ops go to directed channels ``(comm, src, dst)``."""
     rec = snapshot.records
     header = snapshot.header
-    n = len(rec)
-    cols = empty_columns(n)
     rank = header.rank
-    cols["rank"][:] = rank
-    cols["seq"][:] = rec["seq"]
     ops = _OP_MAP[rec["op"]]
-    cols["op"][:] = ops
-    cols["nbytes"][:] = rec["nbytes"].astype(np.int64)
-    cols["enqueue_ns"][:] = rec["enqueue_ns"]
-    cols["complete_ns"][:] = rec["complete_ns"]
-    cols["step"][:] = np.clip(rec["step"], -1, np.iinfo(np.int32).max)
-    cols["peer"][:] = rec["peer"]
+    cols = empty_columns(
+        len(rec),
+        rank=np.full(len(rec), rank, dtype=np.int32),
+        seq=rec["seq"],
+        op=ops,
+        nbytes=rec["nbytes"],
+        enqueue_ns=rec["enqueue_ns"],
+        complete_ns=rec["complete_ns"],
+    )
     comms: list[tuple[object, tuple[int, ...], bool]] = []
     is_p2p = np.isin(ops, list(P2P_OPS)) & (rec["peer"] >= 0)
     cid_index, cids = pd.factorize(rec["comm_id"])  # hashing: no sort of the records
@@ -104,7 +103,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
             ci, rest = divmod(key - len(cids), width * width)
             s, d = divmod(rest, width)
             comms.append((("p2p", int(cids[ci]), s, d), tuple(sorted({s, d})), True))
-    cols["comm"][:] = inverse
+    cols["comm"] = np.asarray(inverse, dtype=np.int32)
     info = RankInfo(
         rank=rank,
         host=header.host,

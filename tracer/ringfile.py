@@ -509,7 +509,7 @@ def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
         if n < 0 or pos + size > len(table):
             break
         members = np.frombuffer(table, dtype="<i4", count=int(n), offset=pos + 16)
-        comms[int(cid)] = tuple(int(r) for r in members)
+        comms[int(cid)] = tuple(members.tolist())
         pos += size
     return comms
 
