@@ -494,7 +494,12 @@ def read_header(path: str | Path) -> RingHeader:
             raw = handle.read(HEADER_SIZE)
     except OSError as exc:
         raise RingFormatError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    return _header_from(_check_header(path, raw), raw)
+    return header_of(path, raw)
+
+
+def header_of(path: str | Path, raw: bytes) -> RingHeader:
+    """The header in `raw`, the first `HEADER_SIZE` bytes of the ring file `path` (checked)."""
+    return _header_from(_check_header(Path(path), raw), raw)
 
 
 def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
