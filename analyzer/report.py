@@ -40,8 +40,6 @@ def build_report(
         for s in slow.suspects:
             entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}
             entry["slowdown_estimate"] = round(s.relative, 4)
-            if s.group:
-                entry["group"] = list(s.group)
             suspects.append(entry)
     for entry in suspects:
         rank = entry["rank"]

@@ -9,8 +9,9 @@ lateness is taken for skew there. After removing the offsets, a member's *latene
 is its enqueue time minus the instance median. A rank is late in a communicator when it arrives
 after the median in most instances (persistence) by a median margin of at least `MIN_REL` of the
 communicator's call interval (effect size). A rank late in *every* communicator it belongs to is a
-straggler; ranks late only where they wait for a straggler are victims; a whole group late
-together, with no straggler anywhere, is reported as a slow group (imbalance).
+straggler; ranks late only where they wait for a straggler are victims. Ranks of different pipeline
+stages are never compared (the schedule decides who arrives last); pipeline transfers are compared
+with the same transfers of other pipelines instead.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ MAX_WINDOWS = 12
 MIN_REL = 0.02
 _DIRECTED = re.compile(r"(-?\d+), (-?\d+)\)$")  # a pipeline channel's key ends with (…, src, dst)
 MIN_PERSISTENCE = 0.7
+PAIR_PERSISTENCE = 0.6  # share of transfers a pipeline neighbour must wait in to be named behind it
 MAX_PASSES = 3
 
 
@@ -54,7 +56,6 @@ class SlowSuspect:
     confidence: float
     evidence: str
     relative: float
-    group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -282,30 +283,30 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
     return _Round(late, is_late, judged, local, channels)
 
 
-def _trails_everywhere(m: int, rnd: _Round, not_early: float = MIN_PERSISTENCE) -> bool:
+def _trails_everywhere(m: int, rnd: _Round) -> bool:
     """A straggler is clearly late in some communicator and, in every other one, arrives after the
-    median in at least `not_early` of the instances: it waits for no one. (Where its call follows another
-    collective with little compute in between, it is late by less than `MIN_REL`, but not early.) A victim
-    arrives early where it waits. Over the whole trace `not_early` is 70 %; inside one time window, where
-    fewer instances make the share noisier, half (a straggler must then be found in two windows)."""
+    median in most instances: it waits for no one. (Where its call follows another collective with
+    little compute in between, it is late by less than `MIN_REL`, but not early.) A victim arrives early
+    where it waits: in the pipeline channel to the slow rank, or in the communicator it shares with it."""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
     return all(
         c in rnd.is_late[m]
-        or (late[c][0] >= 0 and late[c][1] >= not_early)
-        or (c in rnd.channels and not _clearly_early(late[c], not_early))
+        or (c in rnd.channels and not _early(late[c]))
+        or (c not in rnd.channels and late[c][0] >= 0 and late[c][1] >= MIN_PERSISTENCE)
         for c in judged
     )
 
 
-def _clearly_early(entry: tuple[float, float, CommLateness], not_early: float) -> bool:
-    """Early by the margin a straggler is late by, in the share of instances it is late in. A pipeline
-    channel has two ends only, so its noise is large: there a straggler need only not be clearly early,
-    while a rank clearly early in a channel still waits for its peer (a victim)."""
+def _early(entry: tuple[float, float, CommLateness]) -> bool:
+    """Arrives before its channel peer more often than not, by half the margin that makes a rank late:
+    it waits there for the peer. A channel has two ends only, so its noise is large: there a straggler
+    need only not be early, while in a communicator it must arrive after the median as often as a
+    straggler does."""
     rel, pers, _cl = entry
-    return rel <= -MIN_REL and pers <= 1 - not_early
+    return rel <= -MIN_REL / 2 and pers < 0.5
 
 
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
@@ -356,9 +357,13 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
             cols = np.isin(kept, want)
             if not window:  # the newest instances every member reached
                 cols &= np.cumsum(cols[::-1])[::-1] <= WHOLE_INSTANCES
-            if cols.sum() >= MIN_INSTANCES:
-                part.append((c, members, enq[:, cols], None if done is None else done[:, cols]))
-        found, rnd = _stragglers(part, hosts, 0.5 if window else MIN_PERSISTENCE, strides, channels)
+            if cols.sum() < MIN_INSTANCES:
+                continue
+            for rows in _same_stage(members, layout, c in channels):
+                part.append(
+                    (c, members[rows], enq[rows][:, cols], None if done is None else done[rows][:, cols])
+                )
+        found, rnd = _stragglers(part, hosts, strides, channels)
         first = first or rnd
         for suspect in found:
             if window and suspect.relative < WINDOW_MIN_REL:
@@ -373,9 +378,22 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
     if first is not None and not suspects:
-        suspects.extend(_slow_groups(first))
+        suspects.extend(_pipeline_pairs(first))
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     return SlowResult(suspects, offsets, len(mats))
+
+
+def _same_stage(members: np.ndarray, layout: Layout | None, channel: bool) -> list[np.ndarray]:
+    """The rows of a communicator whose arrivals can be compared: where its members sit in different
+    pipeline stages (the world, or first and last stage sharing embeddings), the schedule decides who
+    arrives last (in 1F1B the first stage ends its step last), so only members of one stage are
+    compared with each other, and a stage of one member is not judged there. Pipeline channels were
+    judged against their class already."""
+    if channel or layout is None or layout.sizes.get("pp", 1) < 2:
+        return [np.arange(len(members))]
+    stages = np.array([layout.coords(m)["pp"] for m in members.tolist()])
+    groups = [np.flatnonzero(stages == s) for s in np.unique(stages).tolist()]
+    return [rows for rows in groups if len(rows) >= 2]
 
 
 def _time_windows(comms: list[_Comm]) -> list[tuple[str, dict[int, np.ndarray], dict[int, int]]]:
@@ -413,7 +431,7 @@ def _time_windows(comms: list[_Comm]) -> list[tuple[str, dict[int, np.ndarray], 
 
 
 def _stragglers(
-    mats: list, hosts: list[str], not_early: float, strides: dict[int, int], channels: frozenset[int]
+    mats: list, hosts: list[str], strides: dict[int, int], channels: frozenset[int]
 ) -> tuple[list[SlowSuspect], _Round]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
@@ -431,7 +449,7 @@ def _stragglers(
                 per_comm[i] = cl
         rnd = _lateness_round(per_comm, hosts, channels)
         first = first or rnd
-        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd, not_early)]
+        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd)]
         if not found:
             break
         stragglers.extend(found)
@@ -439,35 +457,32 @@ def _stragglers(
     return suspects, first or _lateness_round(per_comm, hosts, channels)
 
 
-def _slow_groups(rnd: _Round) -> list[SlowSuspect]:
-    """A group late together is only its own cause when no straggler (pipeline neighbour) explains it."""
+def _pipeline_pairs(rnd: _Round) -> list[SlowSuspect]:
+    """Pipeline neighbours both late in their own groups while neither trails everywhere: a slow rank
+    holds up its whole pipeline, so its neighbour is late in its group too. The one its neighbour
+    clearly waits for in their transfers (against the same transfers of other pipelines) is named;
+    ranks late together with no such evidence (a whole replica behind, as scheduling noise makes it on
+    a shared machine) are not."""
     late, is_late = rnd.late, rnd.is_late
-    flagged: set[int] = set()
-    suspects = []
-    for m, comms in late.items():
-        if m in flagged or not is_late[m]:
+    suspects: dict[int, SlowSuspect] = {}
+    for c in rnd.channels:
+        pair = [m for m in late if c in late[m]]
+        if len(pair) != 2 or not all(is_late[m] for m in pair):
             continue
-        for c in set(comms) - is_late[m]:
-            group = tuple(late[m][c][2].members.tolist())
-            if all(g in late and is_late[g] for g in group):
-                rel = float(np.median([max(late[g][x][0] for x in is_late[g]) for g in group]))
-                for g in group:
-                    if g in flagged:
-                        continue
-                    flagged.add(g)
-                    suspects.append(
-                        SlowSuspect(
-                            g,
-                            round(float(np.clip(min(1.0, rel / (2 * MIN_REL)) * 0.8, 0.0, 0.9)), 2),
-                            f"the whole group {_short(group)} is late together by {rel:.1%} of the call "
-                            f"interval in its other communicators while no member lags inside it: "
-                            "the group (stage) is slow, an imbalance rather than one bad rank.",
-                            rel,
-                            group,
-                        )
-                    )
-    return suspects
-
-
-def _short(group: tuple[int, ...]) -> str:
-    return "[" + ",".join(map(str, group[:8])) + (",…" if len(group) > 8 else "") + "]"
+        slow = max(pair, key=lambda g: late[g][c][0])
+        peer = next(g for g in pair if g != slow)
+        gap, pers, cl = late[slow][c]
+        if gap < MIN_REL / 2 or pers < PAIR_PERSISTENCE:
+            continue
+        rel = max(late[slow][x][0] for x in is_late[slow])
+        if slow not in suspects or rel > suspects[slow].relative:
+            suspects[slow] = SlowSuspect(
+                slow,
+                round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.9)), 2),
+                f"rank {slow} and its pipeline neighbour {peer} are both late in their own groups (by "
+                f"{rel:.1%} of the call interval), and {peer} waits for {slow} in {pers:.0%} of their "
+                f"{cl.instances} transfers, against the same transfers of other pipelines: {slow} holds "
+                "up its pipeline.",
+                rel,
+            )
+    return list(suspects.values())

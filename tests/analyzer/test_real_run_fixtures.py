@@ -1,11 +1,15 @@
-"""Recorded real runs (tests/fixtures/real_runs.tar.gz): verdict by verdict, from our ring files and from
-the Flight Recorder dumps torch itself wrote, with and without the layout the run used.
+"""Recorded real runs, verdict by verdict, from our ring files and from the Flight Recorder dumps torch
+itself wrote, with and without the layout the run used.
 
-The runs are the first of each fault class in the corpus plan (bench/corpus.py), recorded with small
-rings. Each folder holds ``label.json`` (what was injected where), ``trace/<run>`` (ring files and
-stall dumps) and ``fr`` (torch's dumps: pickles, and JSON for even ranks). The slow-compute run keeps
-only its dumps: its ring files were recorded before the tracer captured DDP's all-reduces, its only
-collectives there.
+``tests/fixtures/real_runs.tar.gz``: the first run of each fault class in the corpus plan
+(bench/corpus.py), recorded with small rings and the tracer's Python capture (four steps a run). The
+slow-compute run keeps only its dumps: its ring files were recorded before the tracer captured DDP's
+all-reduces, its only collectives there. ``tests/fixtures/real_runs_native.tar.gz``: ring files only,
+recorded with the native capture (DDP's all-reduces in them) and twelve steps: a healthy single
+pipeline whose first stage ends every step last (not a slow rank), a slow data loader, and a rank slow
+in compute in a pipeline of two stages whose neighbour is late in its own group because of it. Each
+folder holds ``label.json`` (what was injected where), ``trace/<run>`` (ring files and stall dumps) and
+``fr`` (torch's dumps: pickles, and JSON for even ranks).
 """
 
 from __future__ import annotations
@@ -20,24 +24,31 @@ from megatrace.analyzer import analyze
 from megatrace.analyzer.layout import LayoutConfig
 from megatrace.cli import main
 
-ARCHIVE = Path(__file__).parents[1] / "fixtures" / "real_runs.tar.gz"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+ARCHIVES = ("real_runs.tar.gz", "real_runs_native.tar.gz")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("real_runs")
-    with tarfile.open(ARCHIVE) as archive:
-        archive.extractall(root, filter="data")
+    for name in ARCHIVES:
+        with tarfile.open(FIXTURES / name) as archive:
+            archive.extractall(root / name, filter="data")
     return root
 
 
 def _cases() -> list[tuple[str, str]]:
-    with tarfile.open(ARCHIVE) as archive:
-        parts = [[p for p in Path(m.name).parts if p != "."] for m in archive.getmembers()]
-    names = {tuple(p[:2]) for p in parts if len(p) > 2}
-    return sorted(
-        (run, "ring" if source == "trace" else "fr") for run, source in names if source in ("trace", "fr")
-    )
+    cases = []
+    for name in ARCHIVES:
+        with tarfile.open(FIXTURES / name) as archive:
+            parts = [[p for p in Path(m.name).parts if p != "."] for m in archive.getmembers()]
+        names = {tuple(p[:2]) for p in parts if len(p) > 2}
+        cases += [
+            (f"{name}/{run}", "ring" if source == "trace" else "fr")
+            for run, source in names
+            if source in ("trace", "fr")
+        ]
+    return sorted(cases)
 
 
 @pytest.mark.parametrize(("run", "source"), _cases())
@@ -56,7 +67,7 @@ def test_recorded_run_reads_as_injected(runs, run, source):
 
 
 def test_hang_in_a_collective_names_the_frozen_rank_first(runs):
-    folder = runs / "002-hang-collective"
+    folder = runs / ARCHIVES[0] / "002-hang-collective"
     report = analyze([folder / "trace"])
     top = report["suspects"][0]
     assert top["cause"] == "communication_stuck" and "fell silent" in top["evidence"]
@@ -64,7 +75,7 @@ def test_hang_in_a_collective_names_the_frozen_rank_first(runs):
 
 
 def test_layout_is_read_from_the_traces(runs, capsys):
-    folder = runs / "005-slow-comm"
+    folder = runs / ARCHIVES[0] / "005-slow-comm"
     report = analyze([folder / "trace"])
     assert (report["layout_inferred"]["tp"], report["layout_inferred"]["pp"]) == (2, 4)
     contradicted = analyze([folder / "trace"], LayoutConfig(tp=4, pp=2))
@@ -72,3 +83,17 @@ def test_layout_is_read_from_the_traces(runs, capsys):
     assert contradicted["verdict"] == report["verdict"] == "slow"
     assert main(["analyze", str(folder / "fr"), "--quiet"]) == 1
     assert "SLOW: rank 4" in capsys.readouterr().out
+
+
+def test_a_slow_rank_is_told_from_the_pipeline_neighbour_it_holds_up(runs):
+    """Rank 6 (stage 1) is slow: its neighbour 2 (stage 0) is late in its own DP group too, but waits
+    for 6 in their transfers where the other pipelines' neighbours do not."""
+    report = analyze([runs / ARCHIVES[1] / "011-slow-compute" / "trace"])
+    assert [s["rank"] for s in report["suspects"]] == [6]
+    assert "waits for 6" in report["suspects"][0]["evidence"]
+
+
+def test_a_single_pipeline_whose_first_stage_ends_each_step_last_is_healthy(runs):
+    report = analyze([runs / ARCHIVES[1] / "000-none" / "trace"])
+    assert report["layout_inferred"]["pp"] == 4
+    assert report["verdict"] == "healthy"
