@@ -8,7 +8,10 @@ was injected where. Runs already recorded are kept, so an interrupted recording 
 folder to record anew (after the tracer's capture changes, say). The plan of runs comes from the seed
 alone (committed before the first scoring): fault classes in turn, layouts, ranks, steps and
 slowdowns drawn at random. Jobs have 4 or 8 ranks: on 2 cores more ranks bury a 10 % slowdown in
-scheduling noise, and a 16-rank job takes minutes to start.
+scheduling noise, and a 16-rank job takes minutes to start. Compute is timed (``--compute timed``,
+2 ms a unit): each rank of a GPU job computes on its own device, so a rank's compute time does not
+depend on the others'; matrix products of 8 processes on 2 cores would share the cores, and a rank
+made 2× slower in them slowed every rank alike and was late by 2 % of a step.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def record(run: Run, out: Path, capacity: int = 0, capture: str = "native") -> f
         sys.executable, "-m", "tests.support.megatron_job",
         f"--world={run.world}", f"--tp={run.tp}", f"--pp={run.pp}", f"--virtual={run.virtual}",
         f"--steps={run.steps}", f"--fault={run.fault}", f"--fault-rank={run.rank}",
-        f"--fault-step={run.fault_step}", f"--factor={run.factor}", f"--out={folder}",
+        f"--fault-step={run.fault_step}", f"--factor={run.factor}", f"--out={folder}", "--compute=timed",
         *(["--zero"] if run.zero else []),
     ]  # fmt: skip
     argv = [

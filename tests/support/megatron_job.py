@@ -9,7 +9,8 @@ stage hands back to the first); gradients are all-reduced over the DP group by D
 buckets, or, with ``--zero``, reduce-scattered and all-gathered as a ZeRO optimizer does. The first
 stage carries an embedding's extra work, the last stage the loss: a healthy pipeline is imbalanced.
 
-Compute is fixed work (matrix products of a set size), so an injected slowdown means what it says:
+Compute is fixed work (matrix products of a set size, or with ``--compute timed`` a set time on the
+rank's own "accelerator", as each rank of a GPU job has), so an injected slowdown means what it says:
 ``slow-compute`` multiplies the rank's work by ``1 + factor``; ``slow-comm`` (a bad link) delays each of
 its own collectives and transfers by ``factor`` times a microbatch's compute; ``slow-loader`` sleeps that
 long before each microbatch. ``hang-compute`` blocks in the forward pass, ``hang-p2p`` before a
@@ -80,7 +81,13 @@ class _Job:
         self.peer_delayed = False
 
     def burn(self, units: int) -> None:
-        """Fixed compute: `units` products of two 96×96 matrices."""
+        """Fixed compute: `units` products of two 96×96 matrices (``--compute cpu``), or `units` times
+        ``--unit-ms`` of accelerator time (``--compute timed``): each rank of a GPU job has its own
+        device, so its compute takes as long whatever the other ranks do, while matrix products of 8
+        processes sharing 2 cores take turns, and a rank's extra work slows them all alike."""
+        if self.args.compute == "timed":
+            time.sleep(units * self.args.unit_ms / 1000)
+            return
         a = self.torch.full((96, 96), 0.01)
         for _ in range(units):
             a = (a @ a).clamp_(-1.0, 1.0)
@@ -443,7 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", action="store_true", help="ZeRO reduce-scatter/all-gather instead of DDP")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--micro", type=int, default=4, help="microbatches per step")
-    p.add_argument("--work", type=int, default=8, help="matrix products per layer and microbatch")
+    p.add_argument("--work", type=int, default=8, help="compute units per layer and microbatch")
+    p.add_argument("--compute", choices=("cpu", "timed"), default="cpu", help="what a compute unit is")
+    p.add_argument("--unit-ms", type=float, default=2.0, help="a timed compute unit's duration")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-rank", type=int, default=-1)
     p.add_argument("--fault-step", type=int, default=2, help="first step of a hang")
