@@ -42,6 +42,7 @@ def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s:
             resolve(layout, table.world_size or None) if table.world_size or layout.world_size else None
         )
     inferred = infer_layout(table, resolved.gpus_per_node if isinstance(resolved, Layout) else 8)
+    contradiction = None
     if isinstance(resolved, Layout):
         contradiction = check_given(resolved, inferred, table)
         if contradiction:
@@ -49,7 +50,8 @@ def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s:
     else:
         resolved = inferred.layout
     hang = detect_hang(table, stall_s)
-    slow = detect_slow(table, resolved)
+    # stages are judged by the layout that explains the traces: a contradicted one is not trusted
+    slow = detect_slow(table, inferred.layout if contradiction else resolved)
     report = build_report(table, loaded, hang, slow, resolved)
     report["layout_inferred"] = inferred.as_dict()
     return report, table

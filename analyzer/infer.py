@@ -104,5 +104,5 @@ def check_given(given: Layout, inferred: LayoutInference, table: TraceTable) -> 
         f"the layout given (tp {g['tp']}, dp {g['dp']}, pp {g['pp']}) matches {mine} of the "
         f"{len(groups) + len(pairs)} communicators and transfer pairs in the traces; "
         f"tp {i['tp']}, dp {i['dp']}, pp {i['pp']} matches "
-        f"{inferred.explained}: check the flags or the layout file"
+        f"{inferred.explained}, and is used to judge pipeline stages: check the flags or the layout file"
     )

@@ -33,7 +33,7 @@ WINDOW_SAMPLE = 128
 WINDOW_INSTANCES = 64  # instances of a communicator a time window needs before it is judged alone
 WINDOW_MIN_REL = 0.05  # a straggler found in one window only (of many looked at) must be this late
 MAX_WINDOWS = 12
-MIN_REL = 0.02
+MIN_REL = 0.01
 _DIRECTED = re.compile(r"(-?\d+), (-?\d+)\)$")  # a pipeline channel's key ends with (…, src, dst)
 MIN_PERSISTENCE = 0.7
 PAIR_PERSISTENCE = 0.6  # share of transfers a pipeline neighbour must wait in to be named behind it
@@ -460,7 +460,8 @@ def _stragglers(
 def _pipeline_pairs(rnd: _Round) -> list[SlowSuspect]:
     """Pipeline neighbours both late in their own groups while neither trails everywhere: a slow rank
     holds up its whole pipeline, so its neighbour is late in its group too. The one its neighbour
-    clearly waits for in their transfers (against the same transfers of other pipelines) is named;
+    clearly waits for in their transfers (against the same transfers of other pipelines), and that
+    waits for no one itself (a TP peer of the slow rank is late in the pipeline too), is named;
     ranks late together with no such evidence (a whole replica behind, as scheduling noise makes it on
     a shared machine) are not."""
     late, is_late = rnd.late, rnd.is_late
@@ -472,7 +473,11 @@ def _pipeline_pairs(rnd: _Round) -> list[SlowSuspect]:
         slow = max(pair, key=lambda g: late[g][c][0])
         peer = next(g for g in pair if g != slow)
         gap, pers, cl = late[slow][c]
-        if gap < MIN_REL / 2 or pers < PAIR_PERSISTENCE:
+        if (
+            gap < MIN_REL / 2
+            or pers < PAIR_PERSISTENCE
+            or any(_early(late[slow][x]) for x in rnd.judged[slow])
+        ):
             continue
         rel = max(late[slow][x][0] for x in is_late[slow])
         if slow not in suspects or rel > suspects[slow].relative:
