@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatrace.analyzer.table import OPS, TraceTable
+from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
 
@@ -79,6 +79,19 @@ def _usable(table: TraceTable, comm: int) -> bool:
     return len(c.members) >= 2 and (not c.p2p or len(c.members) == 2)
 
 
+def _delivered_sends(table: TraceTable) -> np.ndarray:
+    """Rows of sends whose receive completed on the peer: the data arrived, so the sender waits in no
+    such send (a program that never waits for its sends, as an interleaved pipeline may not, leaves
+    them open in its trace)."""
+    cols = table.columns
+    send, recv = cols["op"] == OP_CODE["send"], cols["op"] == OP_CODE["recv"]
+    if not send.any():
+        return np.zeros(len(table), dtype=bool)
+    key = cols["comm"].astype(np.int64) << 32 | (cols["seq"] & 0xFFFFFFFF)
+    received = key[recv & (cols["complete_ns"] > 0)]
+    return send & np.isin(key, received)
+
+
 def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     last = last_seq_per_member(table)
     notes: list[str] = []
@@ -95,6 +108,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     job_end = max((info.observed_until_ns for info in table.ranks.values()), default=0)
     if n:
         pending = (cols["complete_ns"] == 0) & has_comp[cols["rank"]]
+        pending &= ~_delivered_sends(table)
         rows = np.flatnonzero(pending)
         order = rows[np.lexsort((cols["enqueue_ns"][rows], cols["rank"][rows]))]
         first = np.ones(len(order), dtype=bool)
