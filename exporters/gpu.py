@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.exporters.podresources import PodLookup
 from megatrace.exporters.xid import XidWatcher
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ NVLINK_ERRORS: tuple[tuple[str, str], ...] = (
 
 # (kind "gauge"/"counter", name after megatrace_gpu_, help, labels, value)
 Reading = tuple[str, str, str, dict[str, str], float]
-PodLookup = Callable[[], dict[str, tuple[str, str, str]]]
 
 
 def load_nvml() -> ModuleType:
