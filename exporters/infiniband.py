@@ -26,9 +26,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatrace.exporters.families import PREFIX, FixedSeriesFamily, series_text
 from megatrace.regular_files import open_regular
+
+if TYPE_CHECKING:
+    from megatrace.exporters.settings import ExporterConfig
 
 log = logging.getLogger(__name__)
 
@@ -393,3 +397,8 @@ class InfinibandCollector:
             if self._layout is not None:
                 self._layout.close()
                 self._layout = None
+
+
+def build(config: ExporterConfig, nvml: object = None) -> InfinibandCollector:
+    """The agent's InfiniBand/RoCE collector (`collectors` table entry "infiniband")."""
+    return InfinibandCollector(config.sysfs_root)
