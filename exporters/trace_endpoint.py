@@ -10,7 +10,8 @@ is read from ``trace_token_file``, re-read when the file changes, as a mounted S
 - ``/v1/jobs/<job>/ranks/<rank>``: the rank's ring header and counters;
 - ``/v1/jobs/<job>/ranks/<rank>/ring?last=&after_serial=&since_ns=&until_ns=``: a window of the ring
   as a ring file of its own (`megatrace.exporters.trace_window`);
-- ``/v1/jobs/<job>/dumps/<name>``: one stall dump as written.
+- ``/v1/jobs/<job>/dumps/<name>?last=``: one stall dump as written, or with its newest `last` records
+  only (``last=0``: its header, which says when the rank was seen stalled).
 
 Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a malformed path or
 query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
@@ -42,7 +43,7 @@ from megatrace.exporters.families import FamilySet
 from megatrace.exporters.podresources import PodLookup, pod_lookup
 from megatrace.exporters.settings import parse_listen
 from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none, read_bounded
-from megatrace.exporters.trace_window import Window, WindowTooLarge, ring_window
+from megatrace.exporters.trace_window import Window, WindowTooLarge, dump_window, ring_window
 from megatrace.exporters.tracer_files import writer_alive
 from megatrace.logsetup import register_secret
 from megatrace.tracer.ringfile import RECORD_SIZE, RingFormatError
@@ -230,8 +231,11 @@ class TraceEndpoint:
             case [job, "ranks", rank, "ring"]:
                 return 200, self.ring(job, rank, parse_window(query)), "application/octet-stream"
             case [job, "dumps", name]:
+                window = parse_window(query)
+                if window != Window(last=window.last):
+                    raise Refused(400, "a dump is cut by last= only")
                 body = read_bounded(self.store.dump(job, name), self.max_response_bytes)
-                return 200, body, "text/plain; charset=utf-8"
+                return 200, dump_window(body, window.last), "text/plain; charset=utf-8"
         raise Refused(404, "not found; see /v1/jobs")
 
     def job(self, job: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A window of one rank's ring file, cut out as a ring file of its own (format version 2).
+"""A window of one rank's ring file, cut out as a ring file of its own (format version 2), and the
+newest records of a stall dump, as a dump.
 
 The node agent serves these to the alert bot: the window's file has the source's header (identity and
 counters) with its geometry rewritten (capacity = the records in the window, a communicator table of
@@ -100,3 +101,14 @@ def ring_window(path: Path, window: Window, max_records: int, writer_alive: bool
     header[: len(words) * 8] = words.tobytes()
     body = b"".join([bytes(header), table.ljust(table_size, b"\0"), records.tobytes()])
     return body, len(records)
+
+
+def dump_window(text: bytes, last: int | None) -> bytes:
+    """A stall dump with only its newest `last` records (all when None): its ``#`` lines (magic,
+    header, communicators, counters) stay, record lines are oldest first, so the tail is kept."""
+    if last is None:
+        return text
+    lines = text.splitlines(keepends=True)
+    head = [line for line in lines if line.startswith(b"#")]
+    records = [line for line in lines if line.strip() and not line.startswith(b"#")]
+    return b"".join(head + records[len(records) - min(len(records), max(0, last)) :])
