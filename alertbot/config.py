@@ -218,6 +218,11 @@ def listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def drilldown_enabled(drill: DrilldownConfig) -> bool:
+    """Whether alerts get a drill-down: the agents are its source, or a trace root is configured."""
+    return drill.source == "agents" or bool(drill.trace_roots)
+
+
 def drilldown_problems(drill: DrilldownConfig) -> list[str]:
     """What is wrong with the drill-down's data source settings (an empty list when nothing is)."""
     problems: list[str] = []
