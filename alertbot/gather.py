@@ -101,26 +101,34 @@ class AgentClient:
     def get(self, host: str, path: str, params: dict[str, int] | None = None, to: Path | None = None) -> Any:
         """The JSON answer, or the body written to `to` (its size returned); RuntimeError saying why not."""
         reason = ""
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                time.sleep(min(2.0, 0.2 * 2**attempt))
+        failures = 0
+        # an agent answering 503 (all its slots busy) is waited for, within the time the tries would take
+        deadline = time.monotonic() + self.cfg.timeout_s * (self.cfg.retries + 1)
+        while failures <= self.cfg.retries and time.monotonic() < deadline:
             try:
                 with self._session().get(
                     self.url(host, path), params=params, timeout=self.cfg.timeout_s, stream=to is not None
                 ) as response:
+                    if response.status_code == 503:
+                        reason = "HTTP 503 (busy)"
+                        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                        continue
                     if response.status_code in RETRY_STATUSES:
                         reason = f"HTTP {response.status_code}"
-                        continue
-                    if response.status_code != 200:
+                    elif response.status_code != 200:
                         raise RuntimeError(f"HTTP {response.status_code}: {_error_text(response)}")
-                    if to is None:
+                    elif to is None:
                         return response.json()
-                    return _save(response, to)
+                    else:
+                        return _save(response, to)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 reason = "timed out" if isinstance(exc, requests.Timeout) else "connection refused or lost"
             except (requests.RequestException, ValueError) as exc:
                 reason = f"bad answer ({type(exc).__name__})"
-        raise RuntimeError(f"{reason} after {self.cfg.retries + 1} tries")
+            failures += 1
+            if failures <= self.cfg.retries:
+                time.sleep(min(2.0, 0.2 * 2**failures))
+        raise RuntimeError(f"{reason} after {failures} tries" if failures else reason)
 
 
 def _error_text(response: requests.Response) -> str:
