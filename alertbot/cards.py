@@ -248,9 +248,15 @@ class CardRenderer:
                         "kind": s.get("kind", ""),
                         "confidence": float(s.get("confidence", 0) or 0),
                         "evidence": str(s.get("evidence", ""))[:budget],
+                        "where": placement_text(s)[:budget],
                     }
                     for s in suspects[: max(1, budget // 200)]
                 ],
+                "no_data": [
+                    f"{rank_list(item.get('ranks', []))}: {item.get('reason', '')}"[:budget]
+                    for item in result.get("no_data", [])
+                    if isinstance(item, dict)
+                ][: max(2, budget // 200)],
                 "hints": [str(h)[:budget] for h in result.get("hints", [])][: max(2, budget // 100)],
                 "ref": ref,
             }
@@ -259,3 +265,33 @@ class CardRenderer:
 
     def report_card(self, summary: dict[str, Any]) -> dict:
         return self.render("card_report.json.j2", summary)
+
+
+def placement_text(suspect: dict[str, Any]) -> str:
+    """Where a suspect runs, as operators look for it: node, pod and container, GPU, local rank."""
+    parts = []
+    if suspect.get("node"):
+        parts.append(f"node {suspect['node']}")
+    if suspect.get("pod"):
+        pod = f"{suspect['namespace']}/{suspect['pod']}" if suspect.get("namespace") else suspect["pod"]
+        container = f" container {suspect['container']}" if suspect.get("container") else ""
+        parts.append(f"pod {pod}{container}")
+    if isinstance(suspect.get("gpu"), int) and suspect["gpu"] >= 0:
+        uuid = f" ({suspect['gpu_uuid']})" if suspect.get("gpu_uuid") else ""
+        parts.append(f"GPU {suspect['gpu']}{uuid}")
+    if isinstance(suspect.get("local_rank"), int):
+        parts.append(f"local rank {suspect['local_rank']}")
+    return ", ".join(str(part) for part in parts)
+
+
+def rank_list(ranks: list[Any]) -> str:
+    """Ranks as "rank 3" or "ranks 0-3, 7" (consecutive runs joined)."""
+    numbers = sorted({r for r in ranks if isinstance(r, int)})
+    runs: list[list[int]] = []
+    for rank in numbers:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"rank {text}" if len(numbers) == 1 else f"ranks {text}"

@@ -126,11 +126,35 @@ class LinksConfig:
 
 
 @dataclasses.dataclass
+class AgentsConfig:
+    """How the drill-down reaches the node agents' trace endpoints (source "agents")."""
+
+    port: int = 9452
+    scheme: str = "http"
+    token_file: str = ""
+    timeout_s: float = 10.0
+    retries: int = 2
+    parallel: int = 32
+    records_per_rank: int = 10000
+    # How far back Prometheus is asked for the job's ranks (an agent that went down stays known).
+    lookback_s: float = 900.0
+    # Where fetched windows are written while the analyzer reads them ("": the system's temp folder).
+    work_dir: str = ""
+
+
+DRILLDOWN_SOURCES = ("directory", "agents")
+
+
+@dataclasses.dataclass
 class DrilldownConfig:
     alerts: list[str] = field(
         default_factory=lambda: ["MegatraceRankHang", "MegatraceJobStalled", "MegatraceSlowRank"]
     )
+    # "directory": the job's folder under trace_roots on this machine (one machine, `make demo`);
+    # "agents": fetched from the node agents holding the job's ranks (a cluster).
+    source: str = "directory"
     trace_roots: list[str] = field(default_factory=list)
+    agents: AgentsConfig = field(default_factory=AgentsConfig)
     analyzer_command: list[str] = field(default_factory=list)
     timeout_s: float = 120.0
     prometheus_url: str = ""
@@ -194,6 +218,33 @@ def listen_address(listen: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def drilldown_enabled(drill: DrilldownConfig) -> bool:
+    """Whether alerts get a drill-down: the agents are its source, or a trace root is configured."""
+    return drill.source == "agents" or bool(drill.trace_roots)
+
+
+def drilldown_problems(drill: DrilldownConfig) -> list[str]:
+    """What is wrong with the drill-down's data source settings (an empty list when nothing is)."""
+    problems: list[str] = []
+    if drill.source not in DRILLDOWN_SOURCES:
+        problems.append(f"key 'drilldown.source': expected one of {', '.join(DRILLDOWN_SOURCES)}")
+    if drill.source == "agents":
+        if not drill.prometheus_url:
+            problems.append(
+                "key 'drilldown.prometheus_url': source agents finds the agents through Prometheus"
+            )
+        if not drill.agents.token_file:
+            problems.append("key 'drilldown.agents.token_file': the agents' trace endpoints need a token")
+        if drill.agents.scheme not in ("http", "https"):
+            problems.append("key 'drilldown.agents.scheme': expected http or https")
+        for key in ("parallel", "records_per_rank", "port"):
+            if getattr(drill.agents, key) < 1:
+                problems.append(f"key 'drilldown.agents.{key}': must be at least 1")
+        if drill.agents.retries < 0:
+            problems.append("key 'drilldown.agents.retries': must not be negative")
+    return problems
+
+
 def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotConfig:
     """Cross-field checks; raises ConfigError naming the key. Registers every secret for log masking.
     `serving=False` (reports) does not ask for the webhook credentials."""
@@ -233,6 +284,7 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
         problems.append("key 'report.chat': sending the workbook needs feishu.app.app_id and app_secret")
     if not 1 <= cfg.feishu.sheet.batch_size <= 5000:
         problems.append("key 'feishu.sheet.batch_size': must be between 1 and 5000")
+    problems += drilldown_problems(cfg.drilldown)
     for root in cfg.drilldown.trace_roots:
         if not Path(root).is_absolute():
             problems.append(f"key 'drilldown.trace_roots': {root!r} is not an absolute path")

@@ -1,6 +1,8 @@
-"""Drill-down for hang and slow-rank alerts: run the analyzer on the job's trace directory (found
-under configured roots only) and ask Prometheus about the suspect's node; the verdict is sent as a
-follow-up message, so the alert itself is never delayed by it."""
+"""Drill-down for hang and slow-rank alerts: run the analyzer on the job's trace data and ask
+Prometheus about the suspect's node; the verdict is sent as a follow-up message, so the alert itself
+is never delayed by it. The data comes, as ``drilldown.source`` says, from the job's folder under the
+configured roots on this machine, or from the node agents holding its ranks (`megatrace.alertbot.gather`);
+either way each suspect is named by node, host, local rank, GPU and (from the agents) pod and container."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +21,14 @@ from typing import Any
 
 from megatrace.alertbot.cards import CardRenderer
 from megatrace.alertbot.config import DrilldownConfig
+from megatrace.alertbot.gather import Gathered, GatherError, gather
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.pipeline import Pipeline
+from megatrace.exporters.trace_store import JOB_NAME
+from megatrace.tracer.ringfile import RingFormatError, read_header
 
 log = logging.getLogger(__name__)
 
-JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,199}")
 HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 IB_COUNTERS = (
     "link_downed_total",
@@ -127,6 +132,66 @@ def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10
     return hints
 
 
+def from_directory(cfg: DrilldownConfig, job: str, _scratch: Path) -> Gathered | str:
+    """The job's folder under the configured roots, its ranks placed from their ring headers."""
+    directory = resolve_trace_dir(cfg.trace_roots, job)
+    if directory is None:
+        return f"no trace directory for job {job!r} under the configured trace roots"
+    placement: dict[int, dict[str, Any]] = {}
+    for path in sorted(directory.glob("rank-*.trace")):
+        try:
+            header = read_header(path)
+        except RingFormatError:
+            continue
+        placement[header.rank] = {
+            "node": header.host,
+            "host": header.host,
+            "local_rank": header.local_rank,
+            "gpu": header.cuda_device,
+            "gpu_uuid": header.device_uuid,
+        }
+    return Gathered(directory, placement, {})
+
+
+def from_agents(cfg: DrilldownConfig, job: str, scratch: Path) -> Gathered | str:
+    """The job's windows fetched from the node agents holding its ranks into `scratch`."""
+    if not JOB_NAME.fullmatch(job):
+        return f"{job[:80]!r} is not a job name the agents serve"
+    try:
+        return gather(job, cfg.prometheus_url, cfg.agents, scratch / job)
+    except (GatherError, OSError) as exc:
+        return f"the job's trace data could not be gathered: {exc}"
+
+
+# drilldown.source -> where the analyzer's input comes from.
+SOURCES: dict[str, Callable[[DrilldownConfig, str, Path], Gathered | str]] = {
+    "directory": from_directory,
+    "agents": from_agents,
+}
+
+
+def name_suspects(report: dict[str, Any], placement: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The report with each suspect's node, pod, container and GPU (where known) beside its rank."""
+    suspects = []
+    for suspect in report.get("suspects", []):
+        rank = suspect.get("rank") if isinstance(suspect, dict) else None
+        where = placement.get(rank, {}) if isinstance(rank, int) else {}
+        known = {key: value for key, value in where.items() if value not in ("", None, -1)}
+        suspects.append({**known, **suspect} if isinstance(suspect, dict) else suspect)
+    return report | {"suspects": suspects} if "suspects" in report else report
+
+
+def no_data_summary(no_data: dict[int, str]) -> list[dict[str, Any]]:
+    """Ranks that gave no data, grouped by why: [{"reason", "ranks"}], most ranks first."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, reason in sorted(no_data.items()):
+        by_reason.setdefault(reason, []).append(rank)
+    return [
+        {"reason": reason, "ranks": ranks}
+        for reason, ranks in sorted(by_reason.items(), key=lambda item: (-len(item[1]), item[0]))
+    ]
+
+
 class DrilldownRunner:
     """Runs stored drill-down requests in worker threads and queues their follow-up messages."""
 
@@ -158,16 +223,23 @@ class DrilldownRunner:
             self.executor.submit(self.run, row["id"])
 
     def investigate(self, job: str) -> dict[str, Any]:
-        directory = resolve_trace_dir(self.cfg.trace_roots, job)
-        if directory is None:
-            return {"error": f"no trace directory for job {job!r} under the configured trace roots"}
-        report = run_analyzer(self.cfg.analyzer_command, directory, self.cfg.timeout_s)
+        work_dir = self.cfg.agents.work_dir or None
+        with tempfile.TemporaryDirectory(prefix="megatrace-drilldown-", dir=work_dir) as scratch:
+            found = SOURCES[self.cfg.source](self.cfg, job, Path(scratch))
+            if isinstance(found, str):
+                return {"error": found}
+            report = run_analyzer(self.cfg.analyzer_command, found.directory, self.cfg.timeout_s)
+        report = name_suspects(report, found.placement)
         hosts = {
-            s.get("host") for s in report.get("suspects", [])[:2] if isinstance(s, dict) and s.get("host")
+            s.get("agent") or s.get("host")
+            for s in report.get("suspects", [])[:2]
+            if isinstance(s, dict) and (s.get("agent") or s.get("host"))
         }
         hints = []
         for host in sorted(hosts):
             hints += prometheus_hints(self.cfg.prometheus_url, str(host), self.cfg.hint_lookback_s)
+        if found.no_data:
+            report["no_data"] = no_data_summary(found.no_data)
         return report | {"hints": hints}
 
     def run(self, drilldown_id: int) -> None:

@@ -15,7 +15,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from megatrace.alertbot.config import AlertbotConfig, app_configured
+from megatrace.alertbot.config import AlertbotConfig, app_configured, drilldown_enabled
 from megatrace.alertbot.grading import PolicyRule, grade
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_webhook
@@ -236,7 +236,7 @@ class Pipeline:
     def _request_drilldown(self, episode: dict[str, Any], now: float) -> None:
         dd = self.cfg.drilldown
         job = json.loads(episode["labels"]).get("job", "")
-        if episode["alertname"] not in dd.alerts or not dd.trace_roots or not job:
+        if episode["alertname"] not in dd.alerts or not drilldown_enabled(dd) or not job:
             return
         if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is None:
             self.store.add_drilldown(job, episode["alertname"], episode["id"], now)

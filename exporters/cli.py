@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
+from megatrace.exporters.collectors import COLLECTORS, DEFAULT_COLLECTORS, build
 from megatrace.exporters.guard import Collector, GuardedCollectors
 from megatrace.exporters.server import MetricsServer
-from megatrace.exporters.settings import COLLECTOR_NAMES, DEFAULT_PORT, ExporterConfig, load, parse_listen
+from megatrace.exporters.settings import DEFAULT_PORT, ExporterConfig, load, parse_listen
 
 if TYPE_CHECKING:
     from megatrace.exporters.trace_retention import RetentionThread
@@ -22,27 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def build_collectors(config: ExporterConfig, nvml: Any = None) -> GuardedCollectors:
-    """The enabled collectors, in a fixed order, wrapped so that one failing never breaks a scrape."""
+    """The enabled collectors, in the table's order, wrapped so that one failing never breaks a scrape.
+    A collector that cannot be built (its port taken, its token file unreadable) stops the ones built."""
     collectors: dict[str, Collector] = {}
-    for name in COLLECTOR_NAMES:
-        if name not in config.collectors:
-            continue
-        if name == "gpu":
-            from megatrace.exporters.gpu import GpuCollector
-            from megatrace.exporters.podresources import pod_lookup
-
-            pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
-            gpu = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
-            gpu.start()
-            collectors[name] = gpu
-        elif name == "infiniband":
-            from megatrace.exporters.infiniband import InfinibandCollector
-
-            collectors[name] = InfinibandCollector(config.sysfs_root)
-        else:
-            from megatrace.exporters.tracer_files import TracerCollector
-
-            collectors[name] = TracerCollector(config.trace_dir, config.tracer_grace_seconds)
+    try:
+        for name in COLLECTORS:
+            if name in config.collectors:
+                collectors[name] = build(name, config, nvml)
+    except BaseException:
+        GuardedCollectors(collectors).close()
+        raise
     return GuardedCollectors(collectors)
 
 
@@ -55,7 +45,11 @@ def build_registry(guarded: GuardedCollectors) -> CollectorRegistry:
 
 def run(config: ExporterConfig) -> int:
     """Serve until SIGTERM or SIGINT; returns the exit code."""
-    guarded = build_collectors(config)
+    try:
+        guarded = build_collectors(config)
+    except (OSError, ValueError) as exc:
+        log.error("cannot start the agent: %s", exc)
+        return 1
     host, port = parse_listen(config.listen)
     try:
         server = MetricsServer((host, port), build_registry(guarded))
@@ -140,7 +134,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--collectors",
         metavar="LIST",
-        help=f"comma-separated collectors to enable (default {','.join(COLLECTOR_NAMES)})",
+        help=f"comma-separated collectors to enable, of {','.join(COLLECTORS)} "
+        f"(default {','.join(DEFAULT_COLLECTORS)})",
     )
     parser.add_argument(
         "--tracer-grace",

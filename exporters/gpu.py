@@ -11,13 +11,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.exporters.podresources import PodLookup
 from megatrace.exporters.xid import XidWatcher
+
+if TYPE_CHECKING:
+    from megatrace.exporters.settings import ExporterConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,6 @@ NVLINK_ERRORS: tuple[tuple[str, str], ...] = (
 
 # (kind "gauge"/"counter", name after megatrace_gpu_, help, labels, value)
 Reading = tuple[str, str, str, dict[str, str], float]
-PodLookup = Callable[[], dict[str, tuple[str, str, str]]]
 
 
 def load_nvml() -> ModuleType:
@@ -368,3 +372,13 @@ def _text(value: Any) -> str:
 
 def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
+
+
+def build(config: ExporterConfig, nvml: Any = None) -> GpuCollector:
+    """The agent's GPU collector (`collectors` table entry "gpu"), started."""
+    from megatrace.exporters.podresources import pod_lookup
+
+    pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
+    gpu = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
+    gpu.start()
+    return gpu

@@ -1,11 +1,12 @@
 """InfiniBand/RoCE collector: every HCA port under ``<sysfs>/class/infiniband``, read at scrape time.
 
 Series are ``megatrace_infiniband_*{device,port}`` with node_exporter's names after the prefix where
-node_exporter has one (so rules and dashboards move across), RoCE ``hw_counters/`` as
-``megatrace_infiniband_hw_<counter>_total``. Files that cannot be read or read ``N/A (no PMA)``
-are skipped quietly: that series is simply absent. Only regular files are read, opened without
-blocking, so a FIFO planted in the tree cannot hang a scrape. A sysfs root that cannot be read fails
-the collector (``collector_up 0``); a readable one without ``class/infiniband`` has no ports.
+node_exporter has one (so rules and dashboards move across), RoCE ``hw_counters/`` too (files
+node_exporter does not know as ``megatrace_infiniband_hw_<counter>_total``). Files that cannot be
+read or read ``N/A (no PMA)`` are skipped quietly: that series is simply absent. Only regular files are
+read, opened without blocking, so a FIFO planted in the tree cannot hang a scrape. A sysfs root that
+cannot be read fails the collector (``collector_up 0``); a readable one without ``class/infiniband``
+has no ports.
 
 Which devices, ports and attribute files exist (and the devices' identity) changes only when hardware
 or drivers do, so it is scanned once and again every `RESCAN_SECONDS`; a scrape then only re-reads
@@ -26,9 +27,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatrace.exporters.families import PREFIX, FixedSeriesFamily, series_text
 from megatrace.regular_files import open_regular
+
+if TYPE_CHECKING:
+    from megatrace.exporters.settings import ExporterConfig
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +113,40 @@ LEGACY_COUNTERS: dict[str, tuple[str, str]] = {
 
 # Data counters count 4-byte words (per lane); the kernel documents them as "divided by 4".
 WORD_COUNTERS = frozenset({"port_rcv_data", "port_xmit_data", "port_rcv_data_64", "port_xmit_data_64"})
+
+# hw_counters/<file> (mlx5, RoCE) -> name after megatrace_infiniband_, as node_exporter names them
+# (collector/infiniband_linux.go, after procfs maps the files to fields); other files: hw_<file>_total.
+HW_COUNTERS: dict[str, str] = {
+    "duplicate_request": "duplicate_requests_packets_total",
+    "implied_nak_seq_err": "implied_nak_seq_errors_total",
+    "local_ack_timeout_err": "local_ack_timeout_errors_total",
+    "np_cnp_sent": "np_cnp_packets_sent_total",
+    "np_ecn_marked_roce_packets": "np_ecn_marked_roce_packets_received_total",
+    "out_of_buffer": "out_of_buffer_drops_total",
+    "out_of_sequence": "out_of_sequence_packets_received_total",
+    "packet_seq_err": "packet_sequence_errors_total",
+    "req_cqe_error": "req_cqes_errors_total",
+    "req_cqe_flush_error": "req_cqes_flush_errors_total",
+    "req_remote_access_errors": "req_remote_access_errors_total",
+    "req_remote_invalid_request": "req_remote_invalid_request_errors_total",
+    "resp_cqe_error": "resp_cqes_errors_total",
+    "resp_cqe_flush_error": "resp_cqes_flush_errors_total",
+    "resp_local_length_error": "resp_local_length_errors_total",
+    "resp_remote_access_errors": "resp_remote_access_errors_total",
+    "rnr_nak_retry_err": "rnr_nak_retry_packets_received_total",
+    "roce_adp_retrans": "roce_adp_retransmits_total",
+    "roce_adp_retrans_to": "roce_adp_retransmits_timeout_total",
+    "roce_slow_restart": "roce_slow_restart_used_total",
+    "roce_slow_restart_cnps": "roce_slow_restart_cnps_total",
+    "roce_slow_restart_trans": "roce_slow_restart_total",
+    "rp_cnp_handled": "rp_cnp_packets_handled_total",
+    "rp_cnp_ignored": "rp_cnp_ignored_packets_received_total",
+    "rx_atomic_requests": "rx_atomic_requests_total",
+    "rx_dct_connect": "rx_dct_connect_requests_total",
+    "rx_icrc_encapsulated": "rx_icrc_encapsulated_errors_total",
+    "rx_read_requests": "rx_read_requests_total",
+    "rx_write_requests": "rx_write_requests_total",
+}
 
 # hw_counters/ files that are settings, not counters (lifespan: how long the driver caches the values).
 HW_SETTINGS = frozenset({"lifespan"})
@@ -305,7 +344,7 @@ class _Scanner:
         for name in _listing(hw_dir):
             if name not in HW_SETTINGS:
                 family = layout.family(
-                    f"hw_{_metric_name(name)}_total",
+                    HW_COUNTERS.get(name, f"hw_{_metric_name(name)}_total"),
                     f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
                     "counter",
                 )
@@ -393,3 +432,8 @@ class InfinibandCollector:
             if self._layout is not None:
                 self._layout.close()
                 self._layout = None
+
+
+def build(config: ExporterConfig, nvml: object = None) -> InfinibandCollector:
+    """The agent's InfiniBand/RoCE collector (`collectors` table entry "infiniband")."""
+    return InfinibandCollector(config.sysfs_root)

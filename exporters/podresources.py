@@ -1,99 +1,95 @@
 """Which Kubernetes pod holds which GPU, from the kubelet PodResources API (v1 ``List``).
 
 The kubelet serves gRPC on a unix socket (``/var/lib/kubelet/pod-resources/kubelet.sock``). The
-response is decoded straight from the protobuf wire format (fields of ``ListPodResourcesResponse``,
-``PodResources``, ``ContainerResources`` and ``ContainerDevices`` by number), so no generated code is
-needed. When the socket is absent or the call fails, there is simply no attribution.
+messages are the ones of ``k8s.io/kubelet/pkg/apis/podresources/v1/api.proto`` that ``List`` needs,
+declared here as a protobuf file descriptor (the same field names and numbers) so that the protobuf
+library encodes and decodes them without generated code; fields the kubelet adds are kept as unknown
+fields and ignored. When the socket is absent or the call fails, there is simply no attribution.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 
 log = logging.getLogger(__name__)
 
 LIST_METHOD = "/v1.PodResourcesLister/List"
 GPU_RESOURCE = "nvidia.com/gpu"
 
-# Field numbers in k8s.io/kubelet/pkg/apis/podresources/v1/api.proto.
-RESPONSE_POD_RESOURCES = 1
-POD_NAME, POD_NAMESPACE, POD_CONTAINERS = 1, 2, 3
-CONTAINER_NAME, CONTAINER_DEVICES = 1, 2
-DEVICES_RESOURCE_NAME, DEVICES_IDS = 1, 2
+# Device id (the GPU UUID for NVIDIA's device plugin) -> (namespace, pod, container).
+PodLookup = Callable[[], dict[str, tuple[str, str, str]]]
 
-WIRE_VARINT, WIRE_I64, WIRE_LEN, WIRE_I32 = 0, 1, 2, 5
+_STRING = descriptor_pb2.FieldDescriptorProto.TYPE_STRING
+_INT64 = descriptor_pb2.FieldDescriptorProto.TYPE_INT64
+_MESSAGE = descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE
+_ONE = descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL
+_MANY = descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED
 
-
-class WireError(ValueError):
-    """Bytes that are not a valid protobuf message."""
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise WireError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
-def fields(buf: bytes) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) of each field in a message; length-delimited values are bytes."""
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == WIRE_VARINT:
-            value, pos = _varint(buf, pos)
-            yield number, value
-        elif wire == WIRE_LEN:
-            length, pos = _varint(buf, pos)
-            if pos + length > len(buf):
-                raise WireError("truncated field")
-            yield number, buf[pos : pos + length]
-            pos += length
-        elif wire in (WIRE_I64, WIRE_I32):
-            pos += 8 if wire == WIRE_I64 else 4
-        else:
-            raise WireError(f"unsupported wire type {wire}")
+# message -> [(field name, number, label, type, message type name)], as in the kubelet's api.proto.
+MESSAGES: dict[str, list[tuple[str, int, int, int, str]]] = {
+    "ListPodResourcesRequest": [],
+    "ListPodResourcesResponse": [("pod_resources", 1, _MANY, _MESSAGE, "PodResources")],
+    "PodResources": [
+        ("name", 1, _ONE, _STRING, ""),
+        ("namespace", 2, _ONE, _STRING, ""),
+        ("containers", 3, _MANY, _MESSAGE, "ContainerResources"),
+    ],
+    "ContainerResources": [
+        ("name", 1, _ONE, _STRING, ""),
+        ("devices", 2, _MANY, _MESSAGE, "ContainerDevices"),
+        ("cpu_ids", 3, _MANY, _INT64, ""),
+    ],
+    "ContainerDevices": [
+        ("resource_name", 1, _ONE, _STRING, ""),
+        ("device_ids", 2, _MANY, _STRING, ""),
+        ("topology", 3, _ONE, _MESSAGE, "TopologyInfo"),
+    ],
+    "TopologyInfo": [("nodes", 1, _MANY, _MESSAGE, "NUMANode")],
+    "NUMANode": [("ID", 1, _ONE, _INT64, "")],
+}
 
 
-def _text(value: int | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else ""
+def _message_classes() -> dict[str, type]:
+    proto = descriptor_pb2.FileDescriptorProto(
+        name="megatrace/podresources_v1.proto", package="v1", syntax="proto3"
+    )
+    for name, fields in MESSAGES.items():
+        message = proto.message_type.add(name=name)
+        for field_name, number, label, kind, type_name in fields:
+            field = message.field.add(name=field_name, number=number, label=label, type=kind)
+            if type_name:
+                field.type_name = f".v1.{type_name}"
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(proto)
+    return {
+        name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"v1.{name}")) for name in MESSAGES
+    }
+
+
+CLASSES = _message_classes()
+ListPodResourcesRequest = CLASSES["ListPodResourcesRequest"]
+ListPodResourcesResponse = CLASSES["ListPodResourcesResponse"]
 
 
 def gpu_owners(response: bytes) -> dict[str, tuple[str, str, str]]:
-    """Device id (GPU UUID) -> (namespace, pod, container) from a ListPodResourcesResponse."""
+    """Device id (GPU UUID) -> (namespace, pod, container) from a ListPodResourcesResponse's bytes;
+    DecodeError when they are not one."""
     owners: dict[str, tuple[str, str, str]] = {}
-    for number, pod in fields(response):
-        if number != RESPONSE_POD_RESOURCES or not isinstance(pod, bytes):
-            continue
-        pod_fields = list(fields(pod))
-        name = next((_text(v) for n, v in pod_fields if n == POD_NAME), "")
-        namespace = next((_text(v) for n, v in pod_fields if n == POD_NAMESPACE), "")
-        for container in (v for n, v in pod_fields if n == POD_CONTAINERS and isinstance(v, bytes)):
-            container_fields = list(fields(container))
-            container_name = next((_text(v) for n, v in container_fields if n == CONTAINER_NAME), "")
-            for devices in (
-                v for n, v in container_fields if n == CONTAINER_DEVICES and isinstance(v, bytes)
-            ):
-                device_fields = list(fields(devices))
-                resource = next((_text(v) for n, v in device_fields if n == DEVICES_RESOURCE_NAME), "")
-                if resource != GPU_RESOURCE:
-                    continue
-                for number_, device_id in device_fields:
-                    if number_ == DEVICES_IDS:
-                        owners[_text(device_id)] = (namespace, name, container_name)
+    for pod in ListPodResourcesResponse.FromString(response).pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                if devices.resource_name == GPU_RESOURCE:
+                    for device_id in devices.device_ids:
+                        owners[device_id] = (pod.namespace, pod.name, container.name)
     return owners
 
 
-def pod_lookup(socket_path: Path, timeout: float = 2.0) -> Callable[[], dict[str, tuple[str, str, str]]]:
+def pod_lookup(socket_path: Path, timeout: float = 2.0) -> PodLookup:
     """A function returning the GPU owners now; empty while the socket is absent or the call fails."""
 
     def lookup() -> dict[str, tuple[str, str, str]]:
@@ -103,9 +99,11 @@ def pod_lookup(socket_path: Path, timeout: float = 2.0) -> Callable[[], dict[str
 
         try:
             with grpc.insecure_channel(f"unix://{socket_path}") as channel:
-                call = channel.unary_unary(LIST_METHOD)
-                return gpu_owners(call(b"", timeout=timeout))
-        except (grpc.RpcError, ValueError) as exc:
+                call = channel.unary_unary(
+                    LIST_METHOD, request_serializer=ListPodResourcesRequest.SerializeToString
+                )
+                return gpu_owners(call(ListPodResourcesRequest(), timeout=timeout))
+        except (grpc.RpcError, DecodeError) as exc:
             log.warning("kubelet PodResources at %s: %s", socket_path, exc)
             return {}
 

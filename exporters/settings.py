@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.config import ConfigError, load_config
+from megatrace.exporters.collectors import COLLECTORS, DEFAULT_COLLECTORS
 
 DEFAULT_PORT = 9450
-COLLECTOR_NAMES = ("gpu", "infiniband", "tracer")
+DEFAULT_TRACE_PORT = 9452
 ENV_PREFIX = "MEGATRACE_EXPORTER_"
 
 
@@ -20,7 +21,7 @@ class ExporterConfig:
 
     listen: str = f"0.0.0.0:{DEFAULT_PORT}"
     # A list, or one comma-separated string (handy in MEGATRACE_EXPORTER_COLLECTORS=gpu,tracer).
-    collectors: list[str] | str = dataclasses.field(default_factory=lambda: list(COLLECTOR_NAMES))
+    collectors: list[str] | str = dataclasses.field(default_factory=lambda: list(DEFAULT_COLLECTORS))
     sysfs_root: str = "/sys"
     trace_dir: str = "/run/megatrace"
     # Seconds a finished or dead rank's series stay exported (with rank_alive=0) before they are dropped.
@@ -32,6 +33,16 @@ class ExporterConfig:
     trace_retention_hours: float = 72.0
     # ...and, oldest first, while all job folders together hold more than this (0: no size limit).
     trace_max_bytes: int = 2 << 30
+    # The trace endpoint (collector "traces"): its own address, so that a NetworkPolicy can let only
+    # the alert bot reach it, and the file holding the bearer token every request must carry.
+    trace_listen: str = f"0.0.0.0:{DEFAULT_TRACE_PORT}"
+    trace_token_file: str = ""
+    # Most records one ring window may hold, most bytes one dump may have, requests served at once.
+    trace_max_records: int = 200_000
+    trace_max_response_bytes: int = 64 << 20
+    trace_max_concurrent: int = 4
+    # The Kubernetes node (or host) the agent reports its ranks on; "" is the machine's host name.
+    node_name: str = ""
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -47,16 +58,24 @@ def check(config: ExporterConfig, source: str) -> ExporterConfig:
     if isinstance(config.collectors, str):
         names = [name.strip() for name in config.collectors.split(",") if name.strip()]
         config = dataclasses.replace(config, collectors=names)
-    unknown = [name for name in config.collectors if name not in COLLECTOR_NAMES]
+    unknown = [name for name in config.collectors if name not in COLLECTORS]
     if unknown:
         raise ConfigError(
             f"{source}: key 'collectors': unknown collector {', '.join(unknown)} "
-            f"(known: {', '.join(COLLECTOR_NAMES)})"
+            f"(known: {', '.join(COLLECTORS)})"
         )
-    try:
-        parse_listen(config.listen)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: key 'listen': {exc}") from None
+    for key in ("listen", "trace_listen"):
+        try:
+            parse_listen(getattr(config, key))
+        except ValueError as exc:
+            raise ConfigError(f"{source}: key '{key}': {exc}") from None
+    if "traces" in config.collectors and not config.trace_token_file:
+        raise ConfigError(
+            f"{source}: key 'trace_token_file': the trace endpoint (collector traces) needs a token file"
+        )
+    for key in ("trace_max_records", "trace_max_response_bytes", "trace_max_concurrent"):
+        if getattr(config, key) < 1:
+            raise ConfigError(f"{source}: key '{key}': must be at least 1")
     if config.tracer_grace_seconds < 0:
         raise ConfigError(f"{source}: key 'tracer_grace_seconds': must not be negative")
     if config.xid_wait_ms < 1:

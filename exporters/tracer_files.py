@@ -17,12 +17,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
 from megatrace.regular_files import is_regular
 from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header, writer_holds_lock
+
+if TYPE_CHECKING:
+    from megatrace.exporters.settings import ExporterConfig
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +197,8 @@ def _rank_of(path: Path) -> int:
 def _inflight_age(enqueue_ns: int, finished: bool, now: float) -> float:
     """Seconds an op enqueued at `enqueue_ns` has been in flight (0 when none, or the rank finished)."""
     return max(0.0, now - enqueue_ns * NS) if enqueue_ns and not finished else 0.0
+
+
+def build(config: ExporterConfig, nvml: object = None) -> TracerCollector:
+    """The agent's tracer collector (`collectors` table entry "tracer")."""
+    return TracerCollector(config.trace_dir, config.tracer_grace_seconds)

@@ -169,7 +169,8 @@ def test_no_secret_is_created_and_credentials_are_read_by_reference(objects: lis
     for kind in ("DaemonSet", "Deployment"):
         for container in only(objects, kind)["spec"]["template"]["spec"]["containers"]:
             for item in container.get("env", []):
-                if re.search(r"SECRET|TOKEN|PASSWORD", item["name"]):
+                # a *_FILE setting names a file on a mounted Secret (checked where it is mounted)
+                if re.search(r"SECRET|TOKEN|PASSWORD", item["name"]) and not item["name"].endswith("_FILE"):
                     assert "value" not in item and "secretKeyRef" in item["valueFrom"], item
 
 
@@ -210,12 +211,15 @@ def test_exporter_defaults_follow_the_contract(defaults: list[dict[str, Any]]) -
         "--listen=0.0.0.0:9450",
         "--sysfs-root=/host/sys",
         "--trace-dir=/run/megatrace",
-        "--collectors=gpu,infiniband,tracer",
+        "--collectors=gpu,infiniband,tracer,traces",
         "--tracer-grace=300",
         "--podresources-socket=/var/lib/kubelet/pod-resources/kubelet.sock",
     ]
-    assert container["ports"] == [{"name": "metrics", "containerPort": 9450, "protocol": "TCP"}]
-    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"]}
+    assert container["ports"] == [
+        {"name": "metrics", "containerPort": 9450, "protocol": "TCP"},
+        {"name": "traces", "containerPort": 9452, "protocol": "TCP"},
+    ]
+    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"] if "hostPath" in vol}
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert (volumes["sysfs"], mounts["sysfs"]) == ("/sys", "/host/sys")
     assert volumes["traces"] == mounts["traces"] == "/run/megatrace"
@@ -255,12 +259,12 @@ def test_exporter_follows_non_default_values(custom: list[dict[str, Any]]) -> No
         "--listen=0.0.0.0:9555",
         "--sysfs-root=/host/sys",
         "--trace-dir=/data/megatrace/traces",
-        "--collectors=gpu,tracer",
+        "--collectors=gpu,tracer,traces",
         "--tracer-grace=60",
         "--podresources-socket=/var/lib/kubelet/pod-resources/kubelet.sock",
         "--log-level=debug",
     ]
-    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"]}
+    volumes = {vol["name"]: vol["hostPath"]["path"] for vol in pod["volumes"] if "hostPath" in vol}
     assert volumes["sysfs"] == "/host-sys"
     assert volumes["traces"] == "/data/megatrace/traces"
     assert pod["runtimeClassName"] == "nvidia"
@@ -280,7 +284,7 @@ def test_exporter_follows_non_default_values(custom: list[dict[str, Any]]) -> No
 
 def test_pod_resources_mount_can_be_switched_off() -> None:
     pod = exporter_pod(render({"exporter": {"podResources": {"enabled": False}}}))
-    assert [vol["name"] for vol in pod["volumes"]] == ["sysfs", "traces"]
+    assert [vol["name"] for vol in pod["volumes"]] == ["sysfs", "traces", "trace-token"]
     assert "--podresources-socket=" in pod["containers"][0]["args"]
 
 
@@ -625,3 +629,64 @@ def test_packaged_chart_carries_the_linked_rules_and_dashboards(tmp_path: Path) 
     with helm_python.Chart.load(archive) as chart:
         manifests = chart.render(name=RELEASE, namespace=NAMESPACE)
     assert len(of_kind(objects_of(manifests), "PrometheusRule")) == len(rule_files())
+
+
+def test_drilldown_in_the_cluster_needs_no_shared_volume(
+    defaults: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bot fetches from the agents' trace endpoints: token from one Secret mounted in both, the
+    agents' port in both, and a NetworkPolicy opening that port to the bot's pods only."""
+    assert of_kind(defaults, "PersistentVolumeClaim") and not any(
+        "ReadWriteMany" in claim["spec"]["accessModes"]
+        for claim in of_kind(defaults, "PersistentVolumeClaim")
+    )
+    exporter = exporter_pod(defaults)
+    bot = only(defaults, "Deployment")["spec"]["template"]["spec"]
+    for pod in (exporter, bot):
+        token = next(vol for vol in pod["volumes"] if vol["name"] == "trace-token")
+        assert token["secret"] == {
+            "secretName": "megatrace-trace-token",
+            "items": [{"key": "token", "path": "token"}],
+        }
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "trace-token")
+        assert mount == {"name": "trace-token", "mountPath": "/etc/megatrace/trace-token", "readOnly": True}
+    env = {item["name"]: item.get("value") for item in exporter["containers"][0]["env"]}
+    assert env["MEGATRACE_EXPORTER_TRACE_LISTEN"] == "0.0.0.0:9452"
+    assert env["MEGATRACE_EXPORTER_TRACE_TOKEN_FILE"] == "/etc/megatrace/trace-token/token"
+    config = bot_configuration(defaults, {"webhook-token": "tok-1"}, tmp_path, monkeypatch)
+    assert config.drilldown.source == "agents"
+    assert config.drilldown.agents.port == 9452
+    assert config.drilldown.agents.token_file == "/etc/megatrace/trace-token/token"
+    assert config.drilldown.prometheus_url == "http://kube-prometheus-stack-prometheus.monitoring.svc:9090"
+    (policy,) = of_kind(defaults, "NetworkPolicy")
+    exporter_labels = only(defaults, "DaemonSet")["spec"]["selector"]["matchLabels"]
+    bot_labels = only(defaults, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": exporter_labels}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"port": "metrics", "protocol": "TCP"}]},
+        {
+            "from": [{"podSelector": {"matchLabels": bot_labels}}],
+            "ports": [{"port": "traces", "protocol": "TCP"}],
+        },
+    ]
+
+
+def test_drilldown_from_agents_needs_the_trace_endpoint_and_prometheus() -> None:
+    for values in (
+        {"exporter": {"traceEndpoint": {"enabled": False}}},
+        {"alertbot": {"drilldown": {"prometheusUrl": ""}}},
+    ):
+        with pytest.raises(Exception, match=r"traceEndpoint|prometheusUrl|minLength|const"):
+            render(values)
+    objects = render(
+        {
+            "exporter": {"traceEndpoint": {"enabled": False}},
+            "alertbot": {
+                "drilldown": {"source": "directory"},
+                "traces": {"volume": {"nfs": {"server": "n", "path": "/t"}}},
+            },
+        }
+    )
+    assert of_kind(objects, "NetworkPolicy") == []
+    assert "--collectors=gpu,infiniband,tracer" in exporter_pod(objects)["containers"][0]["args"]

@@ -50,8 +50,8 @@ def test_data_counters_are_words_times_four_and_na_is_skipped() -> None:
 
 def test_roce_port_has_hw_counters_and_ethernet_link_layer() -> None:
     text = render(InfinibandCollector(FIXTURES / "roce"))
-    assert value(text, "megatrace_infiniband_hw_np_cnp_sent_total", device="mlx5_2", port="1") == 891234
-    assert value(text, "megatrace_infiniband_hw_out_of_buffer_total", device="mlx5_2", port="1") == 2231
+    assert value(text, "megatrace_infiniband_np_cnp_packets_sent_total", device="mlx5_2", port="1") == 891234
+    assert value(text, "megatrace_infiniband_out_of_buffer_drops_total", device="mlx5_2", port="1") == 2231
     assert value(text, "megatrace_infiniband_info", device="mlx5_2", port="1", link_layer="Ethernet") == 1
     # lifespan is a setting (how long the driver caches counters), not a counter
     assert not any("lifespan" in name for name, _ in samples(text))
@@ -81,7 +81,7 @@ def test_unreadable_files_are_skipped_quietly(tmp_path: Path, caplog: pytest.Log
         "megatrace_infiniband_symbol_error_total",
         "megatrace_infiniband_link_downed_total",
         "megatrace_infiniband_rate_bytes_per_second",
-        "megatrace_infiniband_hw_out_of_buffer_total",
+        "megatrace_infiniband_out_of_buffer_drops_total",
     }
     assert all(labels == port_labels for name, labels in set(expected) - set(got))
     assert set(got) <= set(expected)

@@ -1,0 +1,317 @@
+"""The trace endpoint: the node's rings and stall dumps, read-only, for the alert bot's drill-down.
+
+It listens on its own address (``trace_listen``), apart from ``/metrics``, so a NetworkPolicy can let
+only the bot reach it, and answers GET requests carrying ``Authorization: Bearer <token>`` (the token
+is read from ``trace_token_file``, re-read when the file changes, as a mounted Secret does):
+
+- ``/v1/jobs``: the jobs with files on this node;
+- ``/v1/jobs/<job>``: the node, and each rank of the job here: identity, liveness, GPU (index, UUID)
+  and the pod, namespace and container holding that GPU (kubelet PodResources), its ring and dumps;
+- ``/v1/jobs/<job>/ranks/<rank>``: the rank's ring header and counters;
+- ``/v1/jobs/<job>/ranks/<rank>/ring?last=&after_serial=&since_ns=&until_ns=``: a window of the ring
+  as a ring file of its own (`megatrace.exporters.trace_window`);
+- ``/v1/jobs/<job>/dumps/<name>?last=``: one stall dump as written, or with its newest `last` records
+  only (``last=0``: its header, which says when the rank was seen stalled).
+
+Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a malformed path or
+query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
+root, 404 for an unknown job, rank or dump, 413 past the response bounds, 503 while
+``trace_max_concurrent`` requests are being served. Bodies are gzip-compressed for clients that
+accept it. Its own series: ``megatrace_trace_endpoint_requests_total{code}`` and
+``megatrace_trace_endpoint_sent_bytes_total``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import socket
+import threading
+import zlib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+from prometheus_client.core import Metric
+
+from megatrace.exporters.families import FamilySet
+from megatrace.exporters.podresources import PodLookup, pod_lookup
+from megatrace.exporters.settings import parse_listen
+from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none, read_bounded
+from megatrace.exporters.trace_window import Window, WindowTooLarge, dump_window, ring_window
+from megatrace.exporters.tracer_files import writer_alive
+from megatrace.logsetup import register_secret
+from megatrace.tracer.ringfile import RECORD_SIZE, RingFormatError
+
+if TYPE_CHECKING:
+    from megatrace.exporters.settings import ExporterConfig
+
+log = logging.getLogger(__name__)
+
+WINDOW_KEYS = {field.name for field in dataclasses.fields(Window)}
+GZIP_LEVEL = 1  # fast: ring records shrink about as much at level 1 as at 6
+
+
+class TokenFile:
+    """The bearer token in a file, re-read when the file changes (a rotated Kubernetes Secret)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp: tuple[int, int] | None = None
+        self._token = b""
+        self._lock = threading.Lock()
+        self.current()
+
+    def current(self) -> bytes:
+        """The token now; OSError when the file cannot be read, ValueError when it is empty."""
+        stat = os.stat(self.path)
+        with self._lock:
+            if self._stamp != (stat.st_mtime_ns, stat.st_ino):
+                token = self.path.read_bytes().strip()
+                if not token:
+                    raise ValueError(f"token file {self.path} is empty")
+                register_secret(token.decode(errors="replace"))
+                self._token, self._stamp = token, (stat.st_mtime_ns, stat.st_ino)
+            return self._token
+
+    def admits(self, authorization: str) -> bool:
+        scheme, _, presented = authorization.partition(" ")
+        try:
+            token = self.current()
+        except (OSError, ValueError) as exc:
+            log.error("trace endpoint token: %s; refusing every request", exc)
+            return False
+        return scheme.lower() == "bearer" and hmac.compare_digest(presented.strip().encode(), token)
+
+
+@dataclasses.dataclass
+class Served:
+    """Counts for the endpoint's own series."""
+
+    by_code: dict[int, int] = dataclasses.field(default_factory=dict)
+    sent_bytes: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def add(self, code: int, nbytes: int) -> None:
+        with self.lock:
+            self.by_code[code] = self.by_code.get(code, 0) + 1
+            self.sent_bytes += nbytes
+
+
+class TraceServer(ThreadingHTTPServer):
+    """The endpoint's HTTP server: one thread per request, at most `max_concurrent` doing work."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], endpoint: TraceEndpoint) -> None:
+        self.endpoint = endpoint
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.address_family = family
+        super().__init__(address, TraceHandler)
+
+
+class TraceHandler(BaseHTTPRequestHandler):
+    server: TraceServer
+    server_version = "megatrace-trace-endpoint"
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def do_GET(self) -> None:
+        endpoint = self.server.endpoint
+        if not endpoint.token.admits(self.headers.get("Authorization", "")):
+            self._json(401, {"error": "a valid bearer token is required"}, {"WWW-Authenticate": "Bearer"})
+            return
+        if not endpoint.slots.acquire(blocking=False):
+            self._json(503, {"error": "busy; try again"}, {"Retry-After": "1"})
+            return
+        try:
+            status, body, content_type = endpoint.answer(self.path)
+        except Refused as exc:
+            status, body, content_type = exc.status, _error(str(exc)), "application/json"
+        except Exception:
+            log.exception("trace endpoint: %s failed", self.path[:200])
+            status, body, content_type = 500, _error("internal error; the agent's log has details"), ""
+        finally:
+            endpoint.slots.release()
+        self._send(status, body, content_type or "application/json")
+
+    def _json(self, status: int, payload: dict[str, Any], headers: dict[str, str]) -> None:
+        self._send(status, json.dumps(payload).encode(), "application/json", headers)
+
+    def _send(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
+        if len(body) > 1024 and "gzip" in self.headers.get("Accept-Encoding", ""):
+            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)
+            body = compressor.compress(body) + compressor.flush()
+            headers = {**(headers or {}), "Content-Encoding": "gzip"}
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Vary", "Accept-Encoding")
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+        self.server.endpoint.served.add(status, len(body))
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+def parse_window(query: str) -> Window:
+    """A `Window` from a query string; Refused (400) for unknown keys or values that are not integers."""
+    values: dict[str, int] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True, max_num_fields=8):
+        if key not in WINDOW_KEYS:
+            raise Refused(400, f"unknown query key {key[:40]!r} (known: {', '.join(sorted(WINDOW_KEYS))})")
+        if not value.lstrip("-").isdigit() or len(value) > 20:
+            raise Refused(400, f"{key}= must be an integer, got {value[:40]!r}")
+        values[key] = int(value)
+    return Window(**values)
+
+
+class TraceEndpoint:
+    """The endpoint as a collector of the agent: serves in a thread, exports its request counts."""
+
+    def __init__(
+        self,
+        trace_dir: str | Path,
+        address: tuple[str, int],
+        token_file: Path,
+        max_records: int,
+        max_response_bytes: int,
+        max_concurrent: int,
+        node_name: str = "",
+        pods: PodLookup | None = None,
+    ) -> None:
+        self.store = TraceStore(trace_dir)
+        self.token = TokenFile(token_file)
+        self.max_records = max_records
+        self.max_response_bytes = max_response_bytes
+        self.slots = threading.BoundedSemaphore(max_concurrent)
+        self.node_name = node_name or os.uname().nodename
+        self.pods = pods
+        self.served = Served()
+        self.server = TraceServer(address, self)
+        self.address = self.server.server_address
+        self._thread = threading.Thread(target=self.server.serve_forever, name="trace-endpoint", daemon=True)
+        self._thread.start()
+        log.info("serving trace data on %s:%d", *self.address[:2])
+
+    def answer(self, raw_path: str) -> tuple[int, bytes, str]:
+        """(status, body, content type) for a request path; Refused for what is not served."""
+        path, _, query = raw_path.partition("?")
+        if "%" in path or "\\" in path:
+            raise Refused(400, "percent-encoded or backslash characters are not accepted in paths")
+        parts = path.split("/")[1:]
+        if any(part in ("", ".", "..") for part in parts):
+            raise Refused(400, "empty, '.' or '..' path segments are not accepted")
+        if parts[:1] != ["v1"] or len(parts) < 2 or parts[1] != "jobs":
+            raise Refused(404, "not found; the endpoint serves /v1/jobs")
+        match parts[2:]:
+            case []:
+                return 200, _json({"node": self.node_name, "jobs": self.store.jobs()}), ""
+            case [job]:
+                return 200, _json(self.job(job)), ""
+            case [job, "ranks", rank]:
+                header = header_or_none(self.store.rank(job, rank).ring)
+                if header is None:
+                    raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")
+                return 200, _json(dataclasses.asdict(header)), ""
+            case [job, "ranks", rank, "ring"]:
+                return 200, self.ring(job, rank, parse_window(query)), "application/octet-stream"
+            case [job, "dumps", name]:
+                window = parse_window(query)
+                if window != Window(last=window.last):
+                    raise Refused(400, "a dump is cut by last= only")
+                body = read_bounded(self.store.dump(job, name), self.max_response_bytes)
+                return 200, dump_window(body, window.last), "text/plain; charset=utf-8"
+        raise Refused(404, "not found; see /v1/jobs")
+
+    def job(self, job: str) -> dict[str, Any]:
+        owners = self.pods() if self.pods is not None else {}
+        ranks = []
+        for rank, entry in self.store.ranks(job).items():
+            ring = entry.ring
+            header = header_or_none(ring)
+            item: dict[str, Any] = {"rank": rank, "ring": ring is not None}
+            item["dumps"] = [path.name for path in entry.dumps]
+            if ring is not None and header is not None:
+                namespace, pod, container = owners.get(header.device_uuid, ("", "", ""))
+                item |= {
+                    "local_rank": header.local_rank,
+                    "world_size": header.world_size,
+                    "host": header.host,
+                    "alive": not header.finished and writer_alive(ring, header),
+                    "finished": header.finished,
+                    "records_written": header.records_written,
+                    "gpu": header.cuda_device,
+                    "gpu_uuid": header.device_uuid,
+                    "namespace": namespace,
+                    "pod": pod,
+                    "container": container,
+                }
+            ranks.append(item)
+        return {"job": job, "node": self.node_name, "ranks": ranks}
+
+    def ring(self, job: str, rank: str, window: Window) -> bytes:
+        path = self.store.rank(job, rank).ring
+        header = header_or_none(path)
+        if path is None or header is None:
+            raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")
+        alive = not header.finished and writer_alive(path, header)
+        limit = min(self.max_records, self.max_response_bytes // RECORD_SIZE)
+        try:
+            body, _ = ring_window(path, window, limit, alive)
+        except WindowTooLarge as exc:
+            raise Refused(413, str(exc)) from None
+        except (RingFormatError, OSError) as exc:
+            raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({exc})") from None
+        return body
+
+    def collect(self) -> Iterator[Metric]:
+        families = FamilySet("trace_endpoint")
+        with self.served.lock:
+            by_code, sent = dict(self.served.by_code), self.served.sent_bytes
+        for code, count in sorted(by_code.items()):
+            families.counter(
+                "requests_total",
+                "Trace endpoint requests answered, by HTTP status.",
+                {"code": str(code)},
+                count,
+            )
+        families.counter("sent_bytes_total", "Bytes of trace data sent (after compression).", {}, sent)
+        return iter(families.families())
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _json(payload: object) -> bytes:
+    return json.dumps(payload).encode()
+
+
+def build(config: ExporterConfig, nvml: object = None) -> TraceEndpoint:
+    """The agent's trace endpoint (`collectors` table entry "traces"), serving."""
+    pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
+    return TraceEndpoint(
+        config.trace_dir,
+        parse_listen(config.trace_listen),
+        Path(config.trace_token_file),
+        config.trace_max_records,
+        config.trace_max_response_bytes,
+        config.trace_max_concurrent,
+        config.node_name,
+        pods,
+    )
