@@ -8,6 +8,7 @@ import re
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from apscheduler.triggers.cron import CronTrigger
 
@@ -40,9 +41,15 @@ class AlertmanagerConfig:
 
 @dataclasses.dataclass
 class StoreConfig:
+    """SQLite at `path` (one replica), or PostgreSQL at `url` (``postgresql://user:pw@host:5432/db``),
+    which several replicas share. `lease_s`: how long a replica's claim on a send or a scheduled job
+    lasts before another replica may take it over (longer than any one send can take)."""
+
     path: str = "alertbot.db"
+    url: str = ""
     retention_days: int = 90
     synchronous: str = "FULL"
+    lease_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -217,6 +224,10 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
     }
     for key, values in level_lists.items():
         problems += [f"key '{key}': {v!r} is not a level (P0..P3)" for v in values if v not in LEVELS]
+    if cfg.store.url and not re.match(r"^postgres(ql)?://", cfg.store.url):
+        problems.append("key 'store.url': expected a postgresql:// URL")
+    if not 3 * cfg.feishu.timeout_s < cfg.store.lease_s <= 3600:
+        problems.append("key 'store.lease_s': must be more than 3 × feishu.timeout_s and at most 3600")
     if cfg.store.synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
         problems.append("key 'store.synchronous': expected NORMAL, FULL or EXTRA")
     if cfg.feishu.sheet.spreadsheet_token and not app_configured(cfg):
@@ -246,6 +257,8 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
         raise ConfigError(f"{source}: " + "; ".join(problems))
     for secret in (
         auth.bearer_token,
+        cfg.store.url,
+        urlsplit(cfg.store.url).password or "",
         auth.basic_password,
         cfg.feishu.app.app_secret,
         *(bot.secret for bot in cfg.feishu.group_bots.values()),
