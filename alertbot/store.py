@@ -89,7 +89,7 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX actions_at ON actions(at);
     CREATE TABLE callbacks_seen (event_id TEXT PRIMARY KEY, seen_at REAL NOT NULL);
     CREATE TABLE escalations (
-        id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, step INTEGER NOT NULL, kind TEXT NOT NULL,
+        id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, step INTEGER NOT NULL, message_id TEXT NOT NULL,
         users TEXT NOT NULL, at REAL NOT NULL, UNIQUE (episode_id, step));
     """,
 )
@@ -563,11 +563,15 @@ class Store:
     def actions_of(self, episode_id: int) -> list[sqlite3.Row]:
         return self.query("SELECT * FROM actions WHERE episode_id = ? ORDER BY id", (episode_id,))
 
-    def add_escalation(self, episode_id: int, step: int, kind: str, users: list[str], now: float) -> bool:
-        """Record escalation `step` of an episode (before anyone is phoned); False when it exists."""
+    def add_escalation(
+        self, episode_id: int, step: int, message_id: str, users: list[str], now: float
+    ) -> bool:
+        """Record escalation `step` of an episode, phoning `users` about the app message
+        `message_id` (before anyone is phoned); False when that step exists already."""
         cur = self.execute(
-            "INSERT OR IGNORE INTO escalations (episode_id, step, kind, users, at) VALUES (?, ?, ?, ?, ?)",
-            (episode_id, step, kind, json.dumps(users), now),
+            "INSERT OR IGNORE INTO escalations (episode_id, step, message_id, users, at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (episode_id, step, message_id, json.dumps(users), now),
         )
         return bool(cur.rowcount)
 
