@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter
-DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter
+DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter postgresql
+DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter pg_ctlcluster
 # The native tracer capture is compiled with g++ through ninja; callgrind measures it (bench).
 BUILD_PACKAGES := g++ ninja-build valgrind python3-dev
 BUILD_COMMANDS := g++ ninja valgrind

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import requests
 
@@ -139,12 +140,15 @@ def create_silence(
     ends: float,
     created_by: str,
     comment: str,
+    absent: Sequence[str] = (),
 ) -> str:
-    """Create a silence of exactly these label values; returns its id."""
+    """Create a silence of exactly these label values, and of the labels `absent` being absent
+    (Alertmanager's ``name=""`` matches an alert without that label); returns its id."""
+    wanted = {**dict.fromkeys(absent, ""), **matchers}
     body = {
         "matchers": [
             {"name": name, "value": value, "isRegex": False, "isEqual": True}
-            for name, value in sorted(matchers.items())
+            for name, value in sorted(wanted.items())
         ],
         "startsAt": format_time(starts),
         "endsAt": format_time(ends),
@@ -155,3 +159,25 @@ def create_silence(
     if not isinstance(data, dict) or not data.get("silenceID"):
         raise AlertmanagerError("Alertmanager did not return a silenceID")
     return str(data["silenceID"])
+
+
+def exclusive_matchers(cfg: AlertmanagerConfig, labels: dict[str, str]) -> list[str]:
+    """Label names to require absent so that a silence of `labels` covers this alert only: those that
+    other alerts Alertmanager holds carry beside all of `labels` (they would match otherwise)."""
+    extra: set[str] = set()
+    for raw in fetch_alerts(cfg):
+        other = raw.get("labels") if isinstance(raw, dict) else None
+        if isinstance(other, dict) and other != labels and labels.items() <= other.items():
+            extra |= set(other) - set(labels)
+    return sorted(extra)
+
+
+def expire_silence(cfg: AlertmanagerConfig, silence_id: str) -> None:
+    """Expire a silence now (``DELETE /api/v2/silence/{id}``)."""
+    url = f"{cfg.url.rstrip('/')}/api/v2/silence/{quote(silence_id, safe='')}"
+    try:
+        response = requests.delete(url, timeout=cfg.timeout_s)
+    except requests.RequestException as exc:
+        raise AlertmanagerError(f"Alertmanager unreachable: {type(exc).__name__}") from None
+    if not response.ok:
+        raise AlertmanagerError(f"Alertmanager answered HTTP {response.status_code}: {response.text[:300]}")

@@ -136,8 +136,16 @@ class CardRenderer:
         return [{"text": t, "type": k, "url": u} for t, k, u in candidates if u and len(u) <= MAX_URL]
 
     def alert_card(
-        self, row: sqlite3.Row | dict, kind: str, ref: str, flap_hold_s: float, now: float
+        self,
+        row: sqlite3.Row | dict,
+        kind: str,
+        ref: str,
+        flap_hold_s: float,
+        now: float,
+        oncall: dict[str, Any] | None = None,
     ) -> dict:
+        """`oncall` (app cards of firing alerts when card actions are on): the claim and silence
+        status line, the action buttons and the note form's value."""
         labels = json.loads(row["labels"])
         annotations = json.loads(row["annotations"])
         state = "RESOLVED" if kind == "resolved" else "FIRING"
@@ -169,6 +177,7 @@ class CardRenderer:
                 "links": self._link_buttons(labels, annotations, row),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
+                "oncall": oncall,
             }
 
         return self.fit("card_alert.json.j2", context)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from apscheduler.triggers.cron import CronTrigger
 
@@ -40,9 +42,15 @@ class AlertmanagerConfig:
 
 @dataclasses.dataclass
 class StoreConfig:
+    """SQLite at `path` (one replica), or PostgreSQL at `url` (``postgresql://user:pw@host:5432/db``),
+    which several replicas share. `lease_s`: how long a replica's claim on a send or a scheduled job
+    lasts before another replica may take it over (longer than any one send can take)."""
+
     path: str = "alertbot.db"
+    url: str = ""
     retention_days: int = 90
     synchronous: str = "FULL"
+    lease_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -92,8 +100,22 @@ class SheetConfig:
 
 
 @dataclasses.dataclass
+class CallbackConfig:
+    """How Feishu delivers card actions: ``request_url`` (Feishu POSTs to ``/feishu/callback``;
+    needs the app's verification token and encrypt key) or ``long_connection`` (the bot keeps
+    lark-oapi's websocket open to Feishu; no public address needed). Empty: cards carry no actions."""
+
+    mode: str = ""
+    verification_token: str = ""
+    encrypt_key: str = ""
+    max_skew_s: float = 300.0
+    long_connection_url: str = ""
+
+
+@dataclasses.dataclass
 class FeishuConfig:
     base_url: str = "https://open.feishu.cn"
+    callback: CallbackConfig = field(default_factory=CallbackConfig)
     group_bots: dict[str, GroupBotConfig] = field(default_factory=dict)
     app: FeishuAppConfig = field(default_factory=FeishuAppConfig)
     sheet: SheetConfig = field(default_factory=SheetConfig)
@@ -173,6 +195,46 @@ class ReportConfig:
 
 
 @dataclasses.dataclass
+class Person:
+    name: str
+    open_id: str
+
+
+@dataclasses.dataclass
+class RotationOverride:
+    """`name` is primary from `start` until `end` (ISO 8601 times with a UTC offset)."""
+
+    start: str
+    end: str
+    name: str
+
+
+@dataclasses.dataclass
+class EscalationPolicy:
+    """Per level: whom the first call goes to (``primary`` or ``everyone`` on the roster), after how
+    many seconds unclaimed the next person on the roster is phoned (0: never), and after how many
+    seconds unclaimed and firing the alert is raised to `raise_to` (0: never)."""
+
+    phone: str = "primary"
+    next_after_s: float = 0.0
+    raise_after_s: float = 0.0
+    raise_to: str = "P0"
+
+
+@dataclasses.dataclass
+class OncallConfig:
+    """The on-call roster (only its people may act on cards), a rotation of `rotation_days` starting
+    at `rotation_start` with the roster's first person, overrides, and escalation per level."""
+
+    roster: list[Person] = field(default_factory=list)
+    rotation_start: str = "2026-01-05T09:00:00+00:00"
+    rotation_days: float = 7.0
+    overrides: list[RotationOverride] = field(default_factory=list)
+    escalation: dict[str, EscalationPolicy] = field(default_factory=dict)
+    tick_s: float = 15.0
+
+
+@dataclasses.dataclass
 class AlertbotConfig:
     listen: str = "127.0.0.1:9451"
     max_body_bytes: int = 8 * 1024 * 1024
@@ -189,6 +251,7 @@ class AlertbotConfig:
     links: LinksConfig = field(default_factory=LinksConfig)
     drilldown: DrilldownConfig = field(default_factory=DrilldownConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    oncall: OncallConfig = field(default_factory=OncallConfig)
 
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -268,6 +331,10 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
     }
     for key, values in level_lists.items():
         problems += [f"key '{key}': {v!r} is not a level (P0..P3)" for v in values if v not in LEVELS]
+    if cfg.store.url and not re.match(r"^postgres(ql)?://", cfg.store.url):
+        problems.append("key 'store.url': expected a postgresql:// URL")
+    if not 3 * cfg.feishu.timeout_s < cfg.store.lease_s <= 3600:
+        problems.append("key 'store.lease_s': must be more than 3 × feishu.timeout_s and at most 3600")
     if cfg.store.synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
         problems.append("key 'store.synchronous': expected NORMAL, FULL or EXTRA")
     if cfg.feishu.sheet.spreadsheet_token and not app_configured(cfg):
@@ -294,18 +361,78 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
         problems.append(f"key 'report': invalid cron or timezone: {exc}")
     if cfg.templates_dir and not Path(cfg.templates_dir).is_dir():
         problems.append(f"key 'templates_dir': {cfg.templates_dir!r} is not a directory")
+    problems += oncall_problems(cfg)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
     for secret in (
         auth.bearer_token,
+        cfg.store.url,
+        urlsplit(cfg.store.url).password or "",
         auth.basic_password,
         cfg.feishu.app.app_secret,
+        cfg.feishu.callback.verification_token,
+        cfg.feishu.callback.encrypt_key,
         *(bot.secret for bot in cfg.feishu.group_bots.values()),
         *(bot.webhook for bot in cfg.feishu.group_bots.values()),
         *(bot.webhook.rsplit("/", 1)[-1] for bot in cfg.feishu.group_bots.values()),
     ):
         register_secret(secret)
     return cfg
+
+
+def parse_time(value: str, key: str) -> float:
+    """An ISO 8601 time with a UTC offset as Unix seconds; ValueError naming `key` otherwise."""
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        raise ValueError(f"key '{key}': {value!r} is not an ISO 8601 time") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"key '{key}': {value!r} needs a UTC offset (e.g. +08:00)")
+    return moment.timestamp()
+
+
+def oncall_problems(cfg: AlertbotConfig) -> list[str]:
+    """What is wrong with the roster, rotation, escalation and callback settings."""
+    problems = []
+    oncall, callback = cfg.oncall, cfg.feishu.callback
+    names = [p.name for p in oncall.roster]
+    if len(set(names)) != len(names):
+        problems.append("key 'oncall.roster': names must be unique")
+    problems += [
+        f"key 'oncall.roster': {p.name!r} has open_id {p.open_id!r}, expected ou_…"
+        for p in oncall.roster
+        if not p.open_id.startswith("ou_")
+    ]
+    times = [("oncall.rotation_start", oncall.rotation_start)]
+    times += [(f"oncall.overrides[{i}]", t) for i, o in enumerate(oncall.overrides) for t in (o.start, o.end)]
+    for key, value in times:
+        try:
+            parse_time(value, key)
+        except ValueError as exc:
+            problems.append(str(exc))
+    problems += [
+        f"key 'oncall.overrides[{i}].name': {o.name!r} is not on the roster"
+        for i, o in enumerate(oncall.overrides)
+        if o.name not in names
+    ]
+    if oncall.rotation_days <= 0 or oncall.tick_s <= 0:
+        problems.append("key 'oncall': rotation_days and tick_s must be more than 0")
+    for level, policy in oncall.escalation.items():
+        if level not in LEVELS or policy.raise_to not in LEVELS:
+            problems.append(f"key 'oncall.escalation.{level}': levels are P0..P3")
+        if policy.phone not in ("primary", "everyone"):
+            problems.append(f"key 'oncall.escalation.{level}.phone': expected primary or everyone")
+    if oncall.escalation and not oncall.roster:
+        problems.append("key 'oncall.escalation': needs oncall.roster")
+    if callback.mode not in ("", "request_url", "long_connection"):
+        problems.append("key 'feishu.callback.mode': expected request_url or long_connection")
+    if callback.mode and (not app_configured(cfg) or not oncall.roster):
+        problems.append("key 'feishu.callback': card actions need feishu.app and oncall.roster")
+    if callback.mode == "request_url" and not (callback.verification_token and callback.encrypt_key):
+        problems.append(
+            "key 'feishu.callback': request_url needs verification_token and encrypt_key (signatures)"
+        )
+    return problems
 
 
 def _upper_levels(data: dict[str, Any]) -> dict[str, Any]:

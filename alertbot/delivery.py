@@ -23,10 +23,12 @@ from typing import Any, TextIO
 
 import requests
 
+from megatrace.alertbot.actions import oncall_context
 from megatrace.alertbot.cards import CardRenderer
 from megatrace.alertbot.config import AlertbotConfig
 from megatrace.alertbot.feishu import QUOTA_EXHAUSTED, FeishuApp, SendResult, post_group_bot
 from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.oncall import first_call
 from megatrace.alertbot.ratelimit import RateLimiter
 from megatrace.alertbot.store import Store
 
@@ -81,6 +83,8 @@ class Delivery:
     limiter: RateLimiter = dataclasses.field(default_factory=RateLimiter)
     session: requests.Session = dataclasses.field(default_factory=requests.Session)
     rng: random.Random = dataclasses.field(default_factory=random.Random)
+    owner: str = ""  # this replica, holding the lease of what it sends
+    lease_s: float = 60.0
 
     # -- what to send -------------------------------------------------------------------------------
 
@@ -91,7 +95,7 @@ class Delivery:
         if row["channel"] == "bot":
             name = f"bot:{row['destination']}"
             return [(name, d.bot_per_second, SECOND), (name, d.bot_per_minute, MINUTE)]
-        if row["channel"] in ("app", "urgent"):
+        if row["channel"] in ("app", "urgent", "app-update"):
             limits = [("app", d.app_per_second, SECOND), ("app", d.app_per_minute, MINUTE)]
             if row["channel"] == "app":
                 limits.append((f"chat:{row['destination']}", d.chat_per_second, SECOND))
@@ -121,7 +125,16 @@ class Delivery:
         episode = self.store.episode(row["episode_id"])
         if episode is None:
             return None
-        card = self.renderer.alert_card(episode, kind, row["idem_key"], self.cfg.dedupe.flap_hold_s, now)
+        acting = self.cfg.feishu.callback.mode and row["channel"] in ("app", "app-update")
+        oncall = (
+            oncall_context(self.store, self.renderer, episode, now)
+            if acting and episode["status"] == "firing"
+            else None
+        )
+        shown = "firing" if kind == "card-update" else kind
+        card = self.renderer.alert_card(
+            episode, shown, row["idem_key"], self.cfg.dedupe.flap_hold_s, now, oncall
+        )
         return {"msg_type": "interactive", "card": card}
 
     # -- how to send it -----------------------------------------------------------------------------
@@ -138,6 +151,8 @@ class Delivery:
             return SendResult("fatal", "the Feishu app is not configured")
         if channel == "urgent":
             return self.urgent(message)
+        if channel == "app-update":
+            return self.app.update_message(row["destination"], message["card"])
         if message["msg_type"] == "file":
             return self.send_file(row, message)
         result = self.app.send_message(
@@ -161,9 +176,10 @@ class Delivery:
         )
 
     def urgent(self, message: dict[str, Any]) -> SendResult:
-        """Phone the on-call list; when the paid quota is exhausted fall back to SMS, then in-app."""
+        """Phone the people of this escalation step; when the paid quota is exhausted fall back to
+        SMS, then in-app."""
         assert self.app is not None
-        users = list(self.cfg.feishu.app.oncall)
+        users = list(message.get("users") or self.cfg.feishu.app.oncall)
         for kind in URGENT_ORDER:
             result = self.app.urgent(message["message_id"], kind, users)
             if result.code == QUOTA_EXHAUSTED:
@@ -221,7 +237,7 @@ class Delivery:
             self.store.set_outbox(row["id"], state="dead", last_error=error)
             self.metrics.dead.labels(row["channel"]).inc()
             return
-        attempt_id = self.store.begin_attempt(row["id"], now, message)
+        attempt_id = self.store.begin_attempt(row["id"], now, message, self.owner, now + self.lease_s)
         if attempt_id is None:
             return
         result = self.send(row, message)
@@ -263,27 +279,32 @@ class Delivery:
         )
 
     def after_sent(self, row: Any, message_id: str, now: float) -> None:
-        """A P0 sent through the app gets the on-call list phoned about it."""
-        app = self.cfg.feishu.app
-        if row["channel"] != "app" or row["kind"] not in PHONED_KINDS or not app.oncall:
+        """A page sent through the app gets the on-call people phoned about it (escalation step 0,
+        recorded before the call is queued)."""
+        if row["channel"] != "app" or row["kind"] not in PHONED_KINDS or not message_id:
             return
-        if row["level"] not in app.phone_levels or not message_id:
+        users = first_call(self.cfg, row["level"], now)
+        if row["level"] not in self.cfg.feishu.app.phone_levels or not users:
             return
-        self.store.enqueue(
-            {
-                "kind": "urgent",
-                "parent_id": row["id"],
-                "episode_id": row["episode_id"],
-                "storm_id": row["storm_id"],
-                "channel": "urgent",
-                "destination": "oncall",
-                "level": row["level"],
-                "idem_key": f"{row['idem_key']}-urgent",
-                "created_at": now,
-                "not_before": now,
-                "payload": json.dumps({"message_id": message_id}),
-            }
-        )
+        with self.store.transaction():
+            episode = row["episode_id"]
+            if episode is not None and not self.store.add_escalation(episode, 0, message_id, users, now):
+                return
+            self.store.enqueue(
+                {
+                    "kind": "urgent",
+                    "parent_id": row["id"],
+                    "episode_id": episode,
+                    "storm_id": row["storm_id"],
+                    "channel": "urgent",
+                    "destination": "oncall",
+                    "level": row["level"],
+                    "idem_key": f"{row['idem_key']}-urgent",
+                    "created_at": now,
+                    "not_before": now,
+                    "payload": json.dumps({"message_id": message_id, "users": users}),
+                }
+            )
 
     # -- crash recovery -------------------------------------------------------------------------------
 
@@ -300,11 +321,24 @@ class Delivery:
         ref = found.group(0) if found else row["idem_key"]
         return any(ref in json.dumps(item, ensure_ascii=False) for item in result.data.get("items", []))
 
-    def recover(self, now: float | None = None) -> int:
-        """Resolve sends a crash left in doubt; returns how many were found."""
-        rows = self.store.in_doubt()
+    def recover(self, now: float | None = None, expired_only: bool = False) -> int:
+        """Resolve sends a crash left in doubt (with `expired_only`, those whose sender's lease ran
+        out: another replica may still be sending the rest); returns how many were found. A phone
+        call in doubt is not dialed again: calls happen at most once per escalation step."""
+        rows = (
+            self.store.in_doubt(time.time() if now is None else now)
+            if expired_only
+            else self.store.in_doubt()
+        )
         for row in rows:
             current = time.time() if now is None else now
+            if row["channel"] == "urgent":
+                self.store.finish_attempt(
+                    row["attempt_id"], current, "interrupted", "process stopped mid-call"
+                )
+                self.store.set_outbox(row["id"], state="in-doubt", last_error="call may have been placed")
+                log.error("phone call %s was in flight when its replica stopped; not dialed again", row["id"])
+                continue
             if self.posted_already(row):
                 self.store.finish_attempt(
                     row["attempt_id"], current, "sent", "found in chat history after restart"

@@ -166,6 +166,12 @@ class FeishuApp:
             "POST", "/open-apis/im/v1/messages", params={"receive_id_type": "chat_id"}, json=body
         )
 
+    def update_message(self, message_id: str, card: dict[str, Any]) -> SendResult:
+        """Replace the card of a message the app sent (for everyone when the card says
+        ``update_multi``): ``PATCH /open-apis/im/v1/messages/{message_id}``."""
+        body = {"content": json.dumps(card, ensure_ascii=False)}
+        return self.call("PATCH", f"/open-apis/im/v1/messages/{message_id}", json=body)
+
     def urgent(self, message_id: str, kind: str, user_ids: list[str]) -> SendResult:
         """Buzz people about a message the app sent: kind is urgent_phone, urgent_sms or urgent_app."""
         return self.call(

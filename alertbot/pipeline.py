@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import sqlite3
 from typing import Any
 
 from megatrace.alertbot.config import AlertbotConfig, app_configured, drilldown_enabled
@@ -257,7 +256,7 @@ class Pipeline:
                             self._firing(alert, external_url, now)
                         else:
                             self._resolved(alert, external_url, now)
-                except sqlite3.Error:
+                except self.store.errors:
                     raise
                 except Exception as exc:
                     reason = f"processing failed: {type(exc).__name__}: {exc}"
@@ -287,9 +286,10 @@ class Pipeline:
                 self.store.mark_inbox(row["id"], now, str(exc))
                 continue
             with self.store.transaction():
+                if not self.store.claim_inbox(row["id"], now):  # another replica processed it
+                    continue
                 for index, reason, raw in webhook.rejected:
                     self.quarantine(row["source"], raw, f"alerts[{index}]: {reason}", now, row["id"])
                 self.ingest(webhook.alerts, webhook.external_url, now, row["id"])
-                self.store.mark_inbox(row["id"], now)
             done += 1
         return done

@@ -16,7 +16,8 @@ from openpyxl import Workbook
 from openpyxl.chart import BarChart, Reference
 from openpyxl.styles import Font
 
-from megatrace.alertbot.config import LEVELS
+from megatrace.alertbot.config import LEVELS, OncallConfig
+from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.store import Store
 
 DETAIL_COLUMNS = (
@@ -63,9 +64,16 @@ def _bold_row(sheet: Any, values: list[Any]) -> None:
 
 
 def build_report(
-    store: Store, since: float, until: float, path: Path, top_n: int = 10, timezone: str = "UTC"
+    store: Store,
+    since: float,
+    until: float,
+    path: Path,
+    top_n: int = 10,
+    timezone: str = "UTC",
+    oncall: OncallConfig | None = None,
 ) -> dict[str, Any]:
-    """Write the workbook for episodes starting in [since, until) to `path`; returns its summary."""
+    """Write the workbook for episodes starting in [since, until) to `path`; returns its summary.
+    Its "On call" sheet lists who was primary each day and every on-call action (notes included)."""
     zone = ZoneInfo(timezone)
     rows = store.episodes_between(since, until)
     labels = [json.loads(r["labels"]) for r in rows]
@@ -152,6 +160,26 @@ def build_report(
             ]
         )
     detail.freeze_panes = "A2"
+    actions = store.actions_between(since, until)
+    duty = book.create_sheet("On call")
+    _bold_row(duty, ["Day", "Primary", "Then"])
+    for day in days:
+        noon = datetime.combine(day, datetime.min.time(), zone).timestamp() + 12 * 3600
+        order = [p.name for p in rotation(oncall, noon)] if oncall else []
+        duty.append([day.isoformat(), order[0] if order else "", ", ".join(order[1:])])
+    duty.append([])
+    _bold_row(duty, ["Time", "Who", "Action", "Alert", "Detail", "From"])
+    for action in actions:
+        duty.append(
+            [
+                _local(action["at"], zone),
+                action["actor_name"],
+                action["action"],
+                action["episode_id"],
+                action["detail"],
+                action["source"],
+            ]
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     book.save(path)
     all_durations = [m for r in rows if (m := _minutes(r)) is not None]
@@ -163,6 +191,8 @@ def build_report(
         "by_level": [(level, by_level[level]) for level in LEVELS],
         "top": top_alerts[:5],
         "mttr": f"{statistics.median(all_durations):.1f} min" if all_durations else "",
+        "actions": len(actions),
+        "notes": sum(1 for a in actions if a["action"] == "note"),
         "file_name": path.name,
         "path": str(path),
     }

@@ -1,5 +1,5 @@
 """The bot's HTTP endpoints: ``POST /alertmanager`` (webhook intake), ``POST /silence``,
-``GET /healthz`` and ``GET /metrics``.
+``POST /feishu/callback`` (card actions, request-URL mode), ``GET /healthz`` and ``GET /metrics``.
 
 The webhook answers 200 only after the validated body is committed to the store; everything else
 (dedupe, delivery) happens afterwards in the service's worker.
@@ -147,6 +147,11 @@ def make_server(service: Service) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
+            if path == "/feishu/callback" and service.cfg.feishu.callback.mode == "request_url":
+                body = self.read_body()
+                if body is not None:
+                    self.card_callback(body)
+                return
             if path not in ("/alertmanager", "/silence"):
                 self.reply(404, {"error": "not found"})
                 return
@@ -183,6 +188,23 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             service.metrics.webhooks.labels("accepted").inc()
             service.wake()
             self.reply(200, {"status": "stored", "alerts": len(webhook.alerts)})
+
+        def card_callback(self, body: bytes) -> None:
+            """A Feishu card action (request-URL mode): authenticated by Feishu's signature and
+            verification token instead of our credentials; answered within Feishu's 3 s."""
+            from megatrace.alertbot.callbacks import CallbackRejected, verify_request
+
+            try:
+                callback = verify_request(service.cfg.feishu.callback, self.headers, body, time.time())
+            except CallbackRejected as exc:
+                service.metrics.webhooks.labels("callback_rejected").inc()
+                log.warning("rejected Feishu callback from %s: %s", self.address_string(), exc)
+                self.reply(401, {"msg": "rejected"})
+                return
+            if callback.get("type") == "url_verification":
+                self.reply(200, {"challenge": callback.get("challenge", "")})
+                return
+            self.reply(200, service.card_action(callback, "request_url"))
 
         def silence(self, body: bytes) -> None:
             if not service.cfg.alertmanager.url:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ from zoneinfo import ZoneInfo
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
+from megatrace.alertbot.actions import Actions
 from megatrace.alertbot.alertmanager import AlertmanagerError, reconcile
 from megatrace.alertbot.cards import CardRenderer
 from megatrace.alertbot.config import AlertbotConfig, app_configured, cron_trigger
@@ -23,10 +28,11 @@ from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.feishu import FeishuApp
 from megatrace.alertbot.grading import load_policy
 from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.oncall import Escalator
 from megatrace.alertbot.pipeline import Pipeline, idempotency_key
 from megatrace.alertbot.report import build_report
 from megatrace.alertbot.server import make_server
-from megatrace.alertbot.store import Store
+from megatrace.alertbot.store import open_store
 
 log = logging.getLogger(__name__)
 QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or more, nothing to act on
@@ -48,7 +54,7 @@ class Service:
         self.renderer = CardRenderer(cfg.templates_dir, cfg.links, cfg.report.timezone)
         self.httpd = make_server(self) if listen else None
         try:
-            self.store = Store(cfg.store.path, cfg.store.synchronous)
+            self.store = open_store(cfg.store.url, cfg.store.path, cfg.store.synchronous)
         except BaseException:
             if self.httpd is not None:
                 self.httpd.server_close()
@@ -61,9 +67,22 @@ class Service:
             if app_configured(cfg)
             else None
         )
+        # This process among the replicas sharing the database: owner of its send and job leases.
+        self.replica = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.shared = bool(cfg.store.url)
         self.delivery = Delivery(
-            self.store, cfg, self.renderer, self.metrics, self.app, ConsoleSink(cfg.delivery.console_path)
+            self.store,
+            cfg,
+            self.renderer,
+            self.metrics,
+            self.app,
+            ConsoleSink(cfg.delivery.console_path),
+            owner=self.replica,
+            lease_s=cfg.store.lease_s,
         )
+        self.actions = Actions(self.store, cfg, self.pipeline, self.wake)
+        self.escalator = Escalator(self.store, cfg, self.pipeline)
+        self._last_takeover = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.drilldowns = DrilldownRunner(
@@ -102,11 +121,41 @@ class Service:
     # -- the worker -----------------------------------------------------------------------------
 
     def work_once(self) -> bool:
-        """One round of the worker; True when stored webhooks are still waiting."""
-        processed = self.pipeline.process_inbox(time.time())
-        self.drilldowns.submit_pending()
+        """One round of the worker; True when stored webhooks are still waiting. Replicas sharing a
+        database take over the sends of a replica whose leases expired (it died mid-send)."""
+        now = time.time()
+        processed = self.pipeline.process_inbox(now)
+        if self.shared and now - self._last_takeover >= self.cfg.store.lease_s / 4:
+            self._last_takeover = now
+            taken = self.delivery.recover(now, expired_only=True)
+            if taken:
+                log.warning("took over %d deliveries whose replica stopped mid-send", taken)
+        if self.leader(now):
+            self.drilldowns.submit_pending()
         self.delivery.deliver_due()
         return processed > 0
+
+    def leader(self, now: float) -> bool:
+        """Whether this replica runs the cluster's scheduled work now (holds the scheduler lease)."""
+        return self.store.hold_lease("scheduler", self.replica, now, self.cfg.store.lease_s)
+
+    def once_per_cluster(self, job: Callable[[], Any]) -> Callable[[], None]:
+        """`job` run only by the replica holding the scheduler lease."""
+
+        def run() -> None:
+            if self.leader(time.time()):
+                job()
+
+        return run
+
+    def escalate(self, now: float | None = None) -> int:
+        taken = self.escalator.tick(time.time() if now is None else now)
+        if taken:
+            self.wake()
+        return taken
+
+    def card_action(self, callback: dict[str, Any], source: str) -> dict[str, Any]:
+        return self.actions.handle(callback, source, time.time())
 
     def _worker(self) -> None:
         while not self._stop.is_set():
@@ -138,9 +187,26 @@ class Service:
         log.info("retention: deleted %s", counts)
 
     def weekly_report(self) -> None:
+        """The scheduled report, written by one replica of the cluster; a run its replica left
+        unfinished (it died) is taken over once its lease expires (`resume_reports`)."""
         zone = ZoneInfo(self.cfg.report.timezone)
         until = datetime.now(zone).replace(hour=0, minute=0, second=0, microsecond=0)
-        self.queue_report(until - timedelta(days=7), until)
+        self.report_once(until - timedelta(days=7), until)
+
+    def report_once(self, since: datetime, until: datetime) -> bool:
+        slot = f"{since.timestamp():.0f}-{until.timestamp():.0f}"
+        now = time.time()
+        if not self.store.claim_run("report", slot, self.replica, now, self.cfg.store.lease_s):
+            return False
+        self.queue_report(since, until)
+        self.store.finish_run("report", slot, time.time())
+        return True
+
+    def resume_reports(self) -> None:
+        zone = ZoneInfo(self.cfg.report.timezone)
+        for run in self.store.unfinished_runs("report", time.time()):
+            since, until = (datetime.fromtimestamp(float(t), zone) for t in run["slot"].split("-"))
+            self.report_once(since, until)
 
     def queue_report(self, since: datetime, until: datetime, on_demand: bool = False) -> dict[str, Any]:
         """Write the workbook for [since, until) and queue it (file + summary card) for delivery;
@@ -155,6 +221,7 @@ class Service:
             path,
             self.cfg.report.top_n,
             self.cfg.report.timezone,
+            self.cfg.oncall,
         )
         card = self.renderer.report_card(summary)
         now = time.time()
@@ -195,7 +262,7 @@ class Service:
     def start(self) -> None:
         if self.httpd is None:
             raise RuntimeError("a Service built with listen=False cannot be started")
-        recovered = self.delivery.recover()
+        recovered = self.delivery.recover(expired_only=self.shared)
         if recovered:
             log.warning("recovered %d deliveries left in flight by the previous run", recovered)
         self._last_round = time.monotonic()
@@ -204,9 +271,21 @@ class Service:
             thread.start()
             self._threads.append(thread)
         cfg = self.cfg
+        if cfg.feishu.callback.mode == "long_connection":
+            self.start_long_connection()
+        if cfg.oncall.escalation:
+            self.scheduler.add_job(
+                self.once_per_cluster(self.escalate), "interval", seconds=cfg.oncall.tick_s, max_instances=1
+            )
+        self.scheduler.add_job(
+            self.once_per_cluster(self.resume_reports),
+            "interval",
+            seconds=cfg.store.lease_s,
+            max_instances=1,
+        )
         if cfg.alertmanager.url:
             self.scheduler.add_job(
-                self.reconcile,
+                self.once_per_cluster(self.reconcile),
                 "interval",
                 seconds=cfg.alertmanager.reconcile_interval_s,
                 max_instances=1,
@@ -214,12 +293,12 @@ class Service:
             )
         if cfg.feishu.sheet.spreadsheet_token:
             self.scheduler.add_job(
-                self.delivery.flush_archive,
+                self.once_per_cluster(self.delivery.flush_archive),
                 "interval",
                 seconds=cfg.feishu.sheet.flush_interval_s,
                 max_instances=1,
             )
-        self.scheduler.add_job(self.retention, "interval", hours=6, max_instances=1)
+        self.scheduler.add_job(self.once_per_cluster(self.retention), "interval", hours=6, max_instances=1)
         self.scheduler.add_job(
             self.weekly_report,
             cron_trigger(cfg.report.cron, cfg.report.timezone),
@@ -227,6 +306,15 @@ class Service:
         )
         self.scheduler.start()
         log.info("alert bot listening on %s:%d", *self.httpd.server_address[:2])
+
+    def start_long_connection(self) -> None:
+        """Receive card actions over lark-oapi's websocket to Feishu (no public address needed)."""
+        from megatrace.alertbot.callbacks import long_connection, start_long_connection
+
+        app = self.cfg.feishu.app
+        domain = self.cfg.feishu.callback.long_connection_url or self.cfg.feishu.base_url
+        client = long_connection(app.app_id, app.app_secret, domain, self.card_action)
+        self._threads.append(start_long_connection(client))
 
     def stop(self) -> None:
         self._stop.set()
@@ -236,7 +324,8 @@ class Service:
             self.httpd.shutdown()
             self.httpd.server_close()
         for thread in self._threads:
-            thread.join(timeout=10)
+            if thread.name != "alertbot-feishu-ws":  # the SDK's client has no stop; it is a daemon
+                thread.join(timeout=10)
         self.drilldowns.shutdown()
         if self.cfg.feishu.sheet.spreadsheet_token:
             self.delivery.flush_archive()

@@ -2,8 +2,16 @@
 attempts, sheet rows to archive, drill-downs, quarantined alerts. WAL mode, numbered schema
 migrations, retention.
 
-All SQL of the bot lives here, so a server database can take SQLite's place for a multi-replica
-deployment by reimplementing this one module.
+All SQL of the bot lives here. `store_postgres.PostgresStore` runs the same statements on PostgreSQL
+for a deployment with several replicas; `open_store` picks one from the configuration. The SQL here
+stays in the common subset of both (``?`` parameters, ``INSERT OR IGNORE``; the PostgreSQL store
+rewrites those two).
+
+Several replicas share one database safely through three things: every write transaction is
+exclusive (SQLite's ``BEGIN IMMEDIATE``, a PostgreSQL advisory lock), a notification being sent is
+leased to its sender (`begin_attempt` sets ``lease_owner`` and ``lease_until``; another replica takes
+over only after the lease expired), and named leases (`hold_lease`) and job runs (`claim_run`) make
+scheduled work happen once per cluster.
 """
 
 from __future__ import annotations
@@ -64,9 +72,38 @@ MIGRATIONS: tuple[str, ...] = (
         id INTEGER PRIMARY KEY, quarantined_at REAL NOT NULL, source TEXT NOT NULL,
         inbox_id INTEGER, alert TEXT NOT NULL, reason TEXT NOT NULL);
     """,
+    """
+    ALTER TABLE outbox ADD COLUMN lease_owner TEXT;
+    ALTER TABLE outbox ADD COLUMN lease_until REAL;
+    ALTER TABLE episodes ADD COLUMN claimed_by TEXT;
+    ALTER TABLE episodes ADD COLUMN claimed_at REAL;
+    ALTER TABLE episodes ADD COLUMN silence_id TEXT;
+    ALTER TABLE episodes ADD COLUMN silenced_until REAL;
+    CREATE TABLE leases (name TEXT PRIMARY KEY, owner TEXT NOT NULL, until REAL NOT NULL);
+    CREATE TABLE job_runs (
+        job TEXT NOT NULL, slot TEXT NOT NULL, owner TEXT NOT NULL, started_at REAL NOT NULL,
+        lease_until REAL NOT NULL, done_at REAL, PRIMARY KEY (job, slot));
+    CREATE TABLE actions (
+        id INTEGER PRIMARY KEY, at REAL NOT NULL, actor TEXT NOT NULL, actor_name TEXT NOT NULL,
+        action TEXT NOT NULL, episode_id INTEGER, detail TEXT NOT NULL, source TEXT NOT NULL);
+    CREATE INDEX actions_at ON actions(at);
+    CREATE TABLE callbacks_seen (event_id TEXT PRIMARY KEY, seen_at REAL NOT NULL);
+    CREATE TABLE escalations (
+        id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, step INTEGER NOT NULL, message_id TEXT NOT NULL,
+        users TEXT NOT NULL, at REAL NOT NULL, UNIQUE (episode_id, step));
+    """,
 )
 
 OPEN_STATES = ("pending", "sending")
+
+
+def open_store(url: str, path: str | Path, synchronous: str = "FULL") -> Store:
+    """The configured store: PostgreSQL when `url` is given (``postgresql://…``), else SQLite at `path`."""
+    if url:
+        from megatrace.alertbot.store_postgres import PostgresStore
+
+        return PostgresStore(url)
+    return Store(path, synchronous)
 
 
 class StoreError(Exception):
@@ -79,6 +116,9 @@ class Store:
     `read_only` opens an existing database for reading only (reports), beside a bot that is writing
     it: WAL lets the reader see the last committed state without blocking the bot or being blocked.
     """
+
+    # Errors of the database itself (not of one alert's data): they abort a whole batch.
+    errors: tuple[type[Exception], ...] = (sqlite3.Error,)
 
     def __init__(self, path: str | Path, synchronous: str = "FULL", read_only: bool = False) -> None:
         self.path = Path(path)
@@ -201,6 +241,14 @@ class Store:
 
     def unprocessed_inbox(self, limit: int = 200) -> list[sqlite3.Row]:
         return self.query("SELECT * FROM inbox WHERE processed_at IS NULL ORDER BY id LIMIT ?", (limit,))
+
+    def claim_inbox(self, inbox_id: int, now: float) -> bool:
+        """Inside a transaction: mark a stored webhook processed; False when another replica did."""
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE inbox SET processed_at = ? WHERE id = ? AND processed_at IS NULL", (now, inbox_id)
+            )
+            return bool(cur.rowcount)
 
     def mark_inbox(self, inbox_id: int, now: float, error: str | None = None) -> None:
         self.execute("UPDATE inbox SET processed_at = ?, error = ? WHERE id = ?", (now, error, inbox_id))
@@ -330,15 +378,23 @@ class Store:
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self.execute(f"UPDATE outbox SET {assignments} WHERE id = ?", (*fields.values(), outbox_id))
 
-    def begin_attempt(self, outbox_id: int, now: float, payload: dict[str, Any]) -> int | None:
+    def begin_attempt(
+        self,
+        outbox_id: int,
+        now: float,
+        payload: dict[str, Any],
+        owner: str = "",
+        lease_until: float | None = None,
+    ) -> int | None:
         """Claim a pending row and record that its send is starting (committed before the request
-        leaves), freezing the payload. None when the row is no longer pending: another process
-        sharing the database (e.g. ``alertbot report --send`` beside the bot) claimed it first."""
+        leaves), freezing the payload; the row is leased to `owner` until `lease_until`. None when
+        the row is no longer pending: another process sharing the database (another replica,
+        ``alertbot report --send`` beside the bot) claimed it first."""
         with self.transaction() as db:
             claimed = db.execute(
-                "UPDATE outbox SET state = 'sending', attempts = attempts + 1, payload = ? "
-                "WHERE id = ? AND state = 'pending'",
-                (json.dumps(payload, ensure_ascii=False), outbox_id),
+                "UPDATE outbox SET state = 'sending', attempts = attempts + 1, payload = ?, "
+                "lease_owner = ?, lease_until = ? WHERE id = ? AND state = 'pending'",
+                (json.dumps(payload, ensure_ascii=False), owner, lease_until, outbox_id),
             ).rowcount
             if not claimed:
                 return None
@@ -351,12 +407,15 @@ class Store:
             (now, outcome, detail[:2000], attempt_id),
         )
 
-    def in_doubt(self) -> list[sqlite3.Row]:
-        """Outbox rows whose last send started but never recorded a result (the process died)."""
+    def in_doubt(self, expired_before: float | None = None) -> list[sqlite3.Row]:
+        """Outbox rows whose last send started but never recorded a result (the process died); with
+        `expired_before`, only those whose lease ran out by then (a live replica may be sending)."""
+        lease = "" if expired_before is None else "AND (o.lease_until IS NULL OR o.lease_until < ?) "
         return self.query(
             "SELECT o.*, a.id AS attempt_id, a.started_at AS attempt_started FROM outbox o "
             "JOIN attempts a ON a.outbox_id = o.id "
-            "WHERE o.state = 'sending' AND a.finished_at IS NULL ORDER BY o.id"
+            f"WHERE o.state = 'sending' AND a.finished_at IS NULL {lease}ORDER BY o.id",
+            () if expired_before is None else (expired_before,),
         )
 
     def queue_depth(self) -> int:
@@ -384,7 +443,8 @@ class Store:
     def set_archive(self, ids: Sequence[int], state: str, error: str | None = None) -> None:
         with self.transaction() as db:
             db.executemany(
-                "UPDATE archive SET state = ?, last_error = ?, attempts = attempts + (? = 'sending') "
+                "UPDATE archive SET state = ?, last_error = ?, "
+                "attempts = attempts + CASE WHEN ? = 'sending' THEN 1 ELSE 0 END "
                 "WHERE id = ?",
                 [(state, error, state, i) for i in ids],
             )
@@ -415,6 +475,116 @@ class Store:
 
     def drilldown(self, drilldown_id: int) -> sqlite3.Row | None:
         return self.one("SELECT * FROM drilldowns WHERE id = ?", (drilldown_id,))
+
+    # -- cluster coordination -------------------------------------------------------------------
+
+    def hold_lease(self, name: str, owner: str, now: float, ttl: float) -> bool:
+        """Take or renew the named lease for `owner` until ``now + ttl``; False while another owner
+        holds it unexpired."""
+        with self.transaction() as db:
+            row = db.execute("SELECT owner, until FROM leases WHERE name = ?", (name,)).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO leases (name, owner, until) VALUES (?, ?, ?)", (name, owner, now + ttl)
+                )
+                return True
+            if row[0] != owner and row[1] >= now:
+                return False
+            db.execute("UPDATE leases SET owner = ?, until = ? WHERE name = ?", (owner, now + ttl, name))
+            return True
+
+    def release_lease(self, name: str, owner: str) -> None:
+        self.execute("DELETE FROM leases WHERE name = ? AND owner = ?", (name, owner))
+
+    def claim_run(self, job: str, slot: str, owner: str, now: float, ttl: float) -> bool:
+        """Claim one run of `job` for `slot` (a period): True for the first claimant, and for a
+        later one when the run was never finished and its claimant's lease expired."""
+        with self.transaction() as db:
+            row = db.execute(
+                "SELECT owner, lease_until, done_at FROM job_runs WHERE job = ? AND slot = ?", (job, slot)
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO job_runs (job, slot, owner, started_at, lease_until) VALUES (?, ?, ?, ?, ?)",
+                    (job, slot, owner, now, now + ttl),
+                )
+                return True
+            if row[2] is not None or (row[0] != owner and row[1] >= now):
+                return False
+            db.execute(
+                "UPDATE job_runs SET owner = ?, lease_until = ? WHERE job = ? AND slot = ?",
+                (owner, now + ttl, job, slot),
+            )
+            return True
+
+    def finish_run(self, job: str, slot: str, now: float) -> None:
+        self.execute("UPDATE job_runs SET done_at = ? WHERE job = ? AND slot = ?", (now, job, slot))
+
+    def unfinished_runs(self, job: str, now: float) -> list[sqlite3.Row]:
+        """Runs of `job` claimed but never finished whose lease expired (their replica died)."""
+        return self.query(
+            "SELECT * FROM job_runs WHERE job = ? AND done_at IS NULL AND lease_until < ? ORDER BY slot",
+            (job, now),
+        )
+
+    def job_runs(self, job: str) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM job_runs WHERE job = ? ORDER BY slot", (job,))
+
+    # -- on-call actions ------------------------------------------------------------------------
+
+    def first_callback(self, event_id: str, now: float) -> bool:
+        """Record a Feishu callback's event id; False when it was seen before (a replay)."""
+        cur = self.execute(
+            "INSERT OR IGNORE INTO callbacks_seen (event_id, seen_at) VALUES (?, ?)", (event_id, now)
+        )
+        return bool(cur.rowcount)
+
+    def add_action(
+        self,
+        now: float,
+        actor: str,
+        actor_name: str,
+        action: str,
+        episode_id: int | None,
+        detail: str,
+        source: str,
+    ) -> int:
+        """Audit one on-call action: who (open id and name), what, on which alert, when, from where."""
+        cur = self.execute(
+            "INSERT INTO actions (at, actor, actor_name, action, episode_id, detail, source) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (now, actor, actor_name, action, episode_id, detail[:2000], source),
+        )
+        return int(cur.lastrowid)
+
+    def actions_between(self, since: float, until: float) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM actions WHERE at >= ? AND at < ? ORDER BY at, id", (since, until))
+
+    def actions_of(self, episode_id: int) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM actions WHERE episode_id = ? ORDER BY id", (episode_id,))
+
+    def add_escalation(
+        self, episode_id: int, step: int, message_id: str, users: list[str], now: float
+    ) -> bool:
+        """Record escalation `step` of an episode, phoning `users` about the app message
+        `message_id` (before anyone is phoned); False when that step exists already."""
+        cur = self.execute(
+            "INSERT OR IGNORE INTO escalations (episode_id, step, message_id, users, at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (episode_id, step, message_id, json.dumps(users), now),
+        )
+        return bool(cur.rowcount)
+
+    def escalations_of(self, episode_id: int) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM escalations WHERE episode_id = ? ORDER BY step", (episode_id,))
+
+    def firing_unclaimed(self, levels: Sequence[str]) -> list[sqlite3.Row]:
+        marks = ", ".join("?" for _ in levels)
+        return self.query(
+            f"SELECT * FROM episodes WHERE status = 'firing' AND claimed_by IS NULL AND level IN ({marks}) "
+            "ORDER BY id",
+            tuple(levels),
+        )
 
     # -- retention ----------------------------------------------------------------------------
 
@@ -450,4 +620,8 @@ class Store:
             counts["inbox"] = db.execute(
                 "DELETE FROM inbox WHERE processed_at IS NOT NULL AND received_at < ?", (before,)
             ).rowcount
+            counts["callbacks"] = db.execute(
+                "DELETE FROM callbacks_seen WHERE seen_at < ?", (before,)
+            ).rowcount
+            counts["job_runs"] = db.execute("DELETE FROM job_runs WHERE done_at < ?", (before,)).rowcount
         return counts

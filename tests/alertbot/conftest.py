@@ -18,9 +18,10 @@ from megatrace.alertbot.feishu import FeishuApp
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.payload import format_time
 from megatrace.alertbot.pipeline import Pipeline
-from megatrace.alertbot.store import Store
+from megatrace.alertbot.store import open_store
 from megatrace.config import validate
 from tests.support.feishu_server import FeishuServer
+from tests.support.postgres import PostgresServer, running_postgres
 
 TOKEN = "webhook-token-for-tests"
 
@@ -99,7 +100,7 @@ class Bot:
 
     def __init__(self, cfg: AlertbotConfig) -> None:
         self.cfg = cfg
-        self.store = Store(cfg.store.path, cfg.store.synchronous)
+        self.store = open_store(cfg.store.url, cfg.store.path, cfg.store.synchronous)
         self.metrics = BotMetrics(self.store.queue_depth)
         self.pipeline = Pipeline(self.store, cfg, [], self.metrics)
         self.renderer = CardRenderer(cfg.templates_dir, cfg.links)
@@ -133,3 +134,16 @@ class Bot:
 def feishu() -> Iterator[FeishuServer]:
     with FeishuServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server per test process."""
+    with running_postgres() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_url(postgres: PostgresServer) -> str:
+    """A fresh, empty database on the test PostgreSQL server."""
+    return postgres.database()

@@ -82,7 +82,7 @@ def test_workbook_cell_by_cell(tmp_path: Path) -> None:
     path = tmp_path / "week.xlsx"
     summary = build_report(bot.store, at(16, 0), at(23, 0), path, top_n=10)
     book = openpyxl.load_workbook(path)
-    assert book.sheetnames == ["Summary", "Detail"]
+    assert book.sheetnames == ["Summary", "Detail", "On call"]
     assert values(book["Summary"]) == [
         ["Megatrace alert report"],
         ["From", datetime(2026, 11, 16), "Until", datetime(2026, 11, 23), "Time zone", "UTC"],

@@ -12,7 +12,9 @@ and can be told to fail the way Feishu fails. Usage::
 
 Endpoints: ``POST /open-apis/bot/v2/hook/<token>``, ``POST /open-apis/auth/v3/tenant_access_token/internal``,
 ``POST|GET /open-apis/im/v1/messages``, ``PATCH /open-apis/im/v1/messages/<id>/urgent_{phone,sms,app}``,
-``POST /open-apis/im/v1/files``, ``POST /open-apis/sheets/v2/spreadsheets/<token>/values_append``.
+``POST /open-apis/im/v1/files``, ``POST /open-apis/sheets/v2/spreadsheets/<token>/values_append``,
+``PATCH /open-apis/im/v1/messages/<id>`` (card update), ``POST /callback/ws/endpoint`` (long
+connection, see `feishu_callbacks`, which also sends card-action callbacks).
 Failure modes for `fail`: ``rate_limit`` (HTTP 200, code 11232), ``http_429`` (HTTP 429, code
 99991400, ``x-ogw-ratelimit-reset``), ``server_error`` (HTTP 500), ``quota`` (code 230024),
 ``bad_signature`` (19021), ``invalid_token`` (HTTP 400, code 99991663).
@@ -36,6 +38,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from tests.support.feishu_callbacks import LongConnectionServer
 
 BODY_LIMIT = 20 * 1024
 FAILURES = {
@@ -83,6 +87,7 @@ class FeishuServer:
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        self.long_connection: LongConnectionServer | None = None
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -98,7 +103,14 @@ class FeishuServer:
         self._thread.start()
         return self
 
+    def serve_long_connection(self) -> LongConnectionServer:
+        """Accept lark-oapi long connections (endpoint discovery here, the websocket beside)."""
+        self.long_connection = LongConnectionServer()
+        return self.long_connection
+
     def stop(self) -> None:
+        if self.long_connection is not None:
+            self.long_connection.stop()
         self._httpd.shutdown()
         self._httpd.server_close()
 
@@ -236,6 +248,11 @@ class FeishuServer:
                 )
                 if method == "PATCH" and urgent:
                     return self.urgent(urgent.group(1), urgent.group(2), query)
+                update = re.fullmatch(r"/open-apis/im/v1/messages/([^/]+)", path)
+                if method == "PATCH" and update:
+                    return self.update(update.group(1))
+                if method == "POST" and path == "/callback/ws/endpoint":
+                    return self.ws_endpoint()
                 if method == "POST" and path == "/open-apis/im/v1/files":
                     return self.file()
                 sheet = re.fullmatch(r"/open-apis/sheets/v2/spreadsheets/([^/]+)/values_append", path)
@@ -392,6 +409,36 @@ class FeishuServer:
                 invalid = [u for u in users if u in server.invalid_users]
                 server._record(Record(kind, {"user_id_list": users}, time.time(), message_id))
                 self.answer(200, {"code": 0, "msg": "success", "data": {"invalid_user_id_list": invalid}})
+
+            def update(self, message_id: str) -> None:
+                """Replace an app message's card (``PATCH /open-apis/im/v1/messages/{id}``)."""
+                body = self.json_body("update")
+                if body is None or not self.authorized("update") or self.failed("update"):
+                    return
+                if not any(r.message_id == message_id for r in server.select("message")):
+                    return self.reject("update", 400, 230011, "message not found or not sent by this app")
+                try:
+                    card = json.loads(body.get("content", ""))
+                except (TypeError, json.JSONDecodeError):
+                    return self.reject("update", 400, 230001, "content must be a card as a JSON string")
+                problem = check_message("interactive", card)
+                if problem:
+                    return self.reject("update", 400, 230001, problem)
+                server._record(Record("update", {"card": card}, time.time(), message_id, message_id))
+                self.answer(200, {"code": 0, "msg": "success", "data": {}})
+
+            def ws_endpoint(self) -> None:
+                """Long-connection endpoint discovery (lark-oapi ``ws.Client``): app id and secret in,
+                a websocket URL out."""
+                body = self.json_body("ws_endpoint")
+                if body is None:
+                    return
+                if body.get("AppID") != server.app_id or body.get("AppSecret") != server.app_secret:
+                    return self.reject("ws_endpoint", 200, 1000040343, "app id or secret invalid")
+                if server.long_connection is None:
+                    return self.reject("ws_endpoint", 200, 1, "system busy")
+                server._record(Record("ws_endpoint", {"AppID": body["AppID"]}, time.time()))
+                self.answer(200, server.long_connection.endpoint())
 
             def file(self) -> None:
                 raw = self.raw_body()

@@ -1,0 +1,121 @@
+"""Who is on call, and escalation in time: the weekly rotation with overrides, whom a page phones,
+the next person phoned when a page stays unclaimed, and unclaimed alerts raised a level.
+
+Every function takes the time it works at (`now`), so tests compress hours into calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from megatrace.alertbot.config import AlertbotConfig, OncallConfig, Person, parse_time
+from megatrace.alertbot.pipeline import Pipeline
+from megatrace.alertbot.store import Store
+
+log = logging.getLogger(__name__)
+SYSTEM = "megatrace"  # the actor of actions the bot takes by itself
+DUE_AT_ONCE = 0.0  # what escalation queues goes out now, whatever clock decided it
+
+
+def rotation(oncall: OncallConfig, now: float) -> list[Person]:
+    """The roster in calling order at `now`: the primary first (an override's person, else the
+    rotation's), then the rest in roster order after the rotation's primary."""
+    roster = oncall.roster
+    if not roster:
+        return []
+    period = oncall.rotation_days * 86400
+    index = int((now - parse_time(oncall.rotation_start, "oncall.rotation_start")) // period) % len(roster)
+    order = roster[index:] + roster[:index]
+    for override in oncall.overrides:
+        if parse_time(override.start, "") <= now < parse_time(override.end, ""):
+            chosen = next(p for p in roster if p.name == override.name)
+            order = [chosen] + [p for p in order if p is not chosen]
+            break
+    return order
+
+
+def roster_member(oncall: OncallConfig, open_id: str) -> Person | None:
+    return next((p for p in oncall.roster if p.open_id == open_id), None)
+
+
+def first_call(cfg: AlertbotConfig, level: str, now: float) -> list[str]:
+    """Open ids phoned when a page of `level` goes out: the primary, or everyone on the roster when
+    the level's policy says so; without a roster, the flat ``feishu.app.oncall`` list."""
+    order = rotation(cfg.oncall, now)
+    if not order:
+        return list(cfg.feishu.app.oncall)
+    policy = cfg.oncall.escalation.get(level)
+    if policy is not None and policy.phone == "everyone":
+        return [p.open_id for p in order]
+    return [order[0].open_id]
+
+
+@dataclasses.dataclass
+class Escalator:
+    """The escalation job (run by one replica of the cluster each tick)."""
+
+    store: Store
+    cfg: AlertbotConfig
+    pipeline: Pipeline
+
+    def tick(self, now: float) -> int:
+        """Raise and re-page unclaimed firing alerts that waited long enough; returns steps taken."""
+        policies = self.cfg.oncall.escalation
+        taken = 0
+        for episode in self.store.firing_unclaimed(list(policies)):
+            policy = policies[episode["level"]]
+            with self.store.transaction():
+                if policy.raise_after_s and now - episode["starts_at"] >= policy.raise_after_s:
+                    taken += self.raise_level(episode, policy.raise_to, now)
+                elif policy.next_after_s:
+                    taken += self.page_next(episode, policy.next_after_s, now)
+        return taken
+
+    def raise_level(self, episode: Any, level: str, now: float) -> int:
+        if episode["level"] == level:
+            return 0
+        self.store.update_episode(episode["id"], level=level, escalated=1)
+        detail = f"unclaimed {episode['level']} raised to {level}"
+        self.store.add_action(now, SYSTEM, SYSTEM, "raise", episode["id"], detail, "escalation")
+        self.pipeline.archive(dict(episode) | {"level": level}, f"raised to {level} (unclaimed)", now)
+        self.pipeline.enqueue(
+            "firing", f"{episode['id']}-{level}", level, now, DUE_AT_ONCE, episode_id=episode["id"]
+        )
+        log.warning("alert %s (%s): %s", episode["id"], episode["alertname"], detail)
+        return 1
+
+    def page_next(self, episode: Any, after_s: float, now: float) -> int:
+        """Phone the next person on the roster when the last call is `after_s` old and unclaimed."""
+        steps = self.store.escalations_of(episode["id"])
+        if not steps or now - steps[-1]["at"] < after_s:
+            return 0
+        order = rotation(self.cfg.oncall, steps[0]["at"])
+        step = steps[-1]["step"] + 1
+        if step >= len(order):
+            return 0
+        message_id = steps[-1]["message_id"]
+        users = [order[step].open_id]
+        if not self.store.add_escalation(episode["id"], step, message_id, users, now):
+            return 0
+        self.enqueue_call(episode, step, message_id, users, now)
+        detail = f"unclaimed after {after_s:.0f}s: phoning {order[step].name}"
+        self.store.add_action(now, SYSTEM, SYSTEM, "escalate", episode["id"], detail, "escalation")
+        return 1
+
+    def enqueue_call(self, episode: Any, step: int, message_id: str, users: list[str], now: float) -> None:
+        self.store.enqueue(
+            {
+                "kind": "urgent",
+                "episode_id": episode["id"],
+                "channel": "urgent",
+                "destination": "oncall",
+                "level": episode["level"],
+                "idem_key": f"mt-call-{episode['id']}-{step}",
+                "created_at": now,
+                "not_before": DUE_AT_ONCE,
+                "payload": json.dumps({"message_id": message_id, "users": users}),
+            }
+        )

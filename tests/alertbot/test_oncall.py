@@ -1,0 +1,294 @@
+"""On call from the card, through the Feishu stand-in: claim, silence through a real Alertmanager,
+notes, the audit, refused callbacks (forged, unsigned, replayed, stale, off the roster), escalation
+in compressed time, the rotation, and the long connection through lark-oapi's own client."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openpyxl
+import pytest
+import requests
+
+from megatrace.alertbot.config import OncallConfig, Person, RotationOverride
+from megatrace.alertbot.oncall import rotation
+from megatrace.alertbot.service import Service
+from tests.alertbot.conftest import TOKEN, config, wait_until
+from tests.alertbot.test_service import alertmanager_for, post_to_alertmanager  # noqa: F401
+from tests.support.feishu_callbacks import CallbackSender, card_action_event
+from tests.support.feishu_server import FeishuServer
+from tests.support.services import free_port
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+VERIFY, KEY = "verification-token-for-tests", "encrypt-key-for-tests"
+ALICE, BOB, CAROL, MALLORY = "ou_alice", "ou_bob", "ou_carol", "ou_mallory"
+ROSTER = [
+    {"name": "alice", "open_id": ALICE},
+    {"name": "bob", "open_id": BOB},
+    {"name": "carol", "open_id": CAROL},
+]
+WEEK = 7 * 86400
+
+
+def oncall_config(tmp_path: Path, feishu: FeishuServer, am: str, **callback: Any) -> Any:
+    return config(
+        tmp_path,
+        dedupe={"storm_threshold": 0},
+        alertmanager={"url": am},
+        feishu={
+            "base_url": feishu.url,
+            "app": {
+                "app_id": feishu.app_id,
+                "app_secret": feishu.app_secret,
+                "chats": {"P0": "oc_p0", "P1": "oc_p1"},
+            },
+            "sheet": {"spreadsheet_token": "shtcn_test", "sheet_id": "s1"},
+            "callback": {"mode": "request_url", "verification_token": VERIFY, "encrypt_key": KEY, **callback},
+        },
+        oncall={
+            "roster": ROSTER,
+            "rotation_start": "2026-01-05T09:00:00+00:00",
+            "escalation": {"P0": {"next_after_s": 600}, "P1": {"raise_after_s": 1800}},
+        },
+    )
+
+
+@pytest.fixture
+def oncall_bot(tmp_path: Path, feishu: FeishuServer, alertmanager_for) -> Iterator[tuple[Service, str]]:  # noqa: F811
+    port = free_port()
+    context, am = alertmanager_for(f"http://127.0.0.1:{port}/alertmanager")
+    with context:
+        cfg = oncall_config(tmp_path, feishu, am)
+        cfg.listen = f"127.0.0.1:{port}"
+        bot = Service(cfg)
+        bot.start()
+        try:
+            yield bot, am
+        finally:
+            bot.stop()
+
+
+def fire(bot: Service, am: str, feishu: FeishuServer, labels: dict[str, str]) -> tuple[dict, str]:
+    """Post the alert to Alertmanager; wait for its app card; returns (episode, message id)."""
+    before = len(feishu.messages())
+    post_to_alertmanager(am, labels)
+    feishu.wait_for(lambda: len(feishu.messages()) > before)
+    message = feishu.messages()[-1]
+    episode = bot.store.query("SELECT * FROM episodes ORDER BY id DESC LIMIT 1")[0]
+    return dict(episode), message.message_id
+
+
+def buttons(card: dict) -> list[str]:
+    found = [e for e in card["elements"] if e["tag"] == "action"][-1]["actions"]
+    return [b["text"]["content"] for b in found if "value" in b]
+
+
+def updates(feishu: FeishuServer, message_id: str) -> list[dict]:
+    return [r.body["card"] for r in feishu.select("update", message_id)]
+
+
+@pytest.mark.slow
+def test_claim_silence_note_through_the_card(oncall_bot, feishu: FeishuServer, tmp_path: Path) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    hang = {"alertname": "MegatraceRankHang", "severity": "P0", "job": "llm", "rank": "3"}
+    wider = {**hang, "gpu": "1"}  # carries every label of `hang` and one more
+    episode, message_id = fire(bot, am, feishu, hang)
+    card = feishu.messages()[-1].body["content"]
+    assert card["config"]["update_multi"] is True
+    assert buttons(card) == ["Claim", "Silence 1h", "Silence 4h", "Silence 24h"]
+    feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 1)
+    primary = rotation(bot.cfg.oncall, time.time())[0].open_id
+    assert feishu.select("urgent_phone")[0].body["user_id_list"] == [primary]
+    fire(bot, am, feishu, wider)
+
+    answer = sender.click(ALICE, {"episode": episode["id"], "action": "claim"}, message_id)
+    assert answer.status_code == 200 and answer.json()["toast"]["type"] == "success"
+    feishu.wait_for(lambda: len(updates(feishu, message_id)) == 1)
+    claimed = updates(feishu, message_id)[0]
+    assert "Claimed** by alice" in str(claimed) and "Claim" not in buttons(claimed)
+
+    answer = sender.click(BOB, {"episode": episode["id"], "action": "silence", "duration": "4h"}, message_id)
+    assert answer.json()["toast"]["type"] == "success", answer.json()
+    silence_id = bot.store.episode(episode["id"])["silence_id"]
+    silence = requests.get(f"{am}/api/v2/silence/{silence_id}", timeout=5).json()
+    assert silence["status"]["state"] == "active" and silence["createdBy"] == "bob"
+    assert {m["name"]: m["value"] for m in silence["matchers"]} == {**hang, "gpu": ""}
+
+    def state(labels: dict[str, str]) -> str:
+        alerts = requests.get(f"{am}/api/v2/alerts", timeout=5).json()
+        return next(a["status"]["state"] for a in alerts if a["labels"] == labels)
+
+    wait_until(lambda: state(hang) == "suppressed", what="the silenced alert suppressed")
+    assert state(wider) == "active"  # the silence covers this alert only
+    feishu.wait_for(lambda: len(updates(feishu, message_id)) == 2)
+    assert "Unsilence" in buttons(updates(feishu, message_id)[1])
+
+    answer = sender.click(
+        CAROL, {"episode": episode["id"], "action": "note"}, message_id, form_value={"note": "NIC reseated"}
+    )
+    assert answer.json()["toast"]["type"] == "success"
+    answer = sender.click(ALICE, {"episode": episode["id"], "action": "unsilence"}, message_id)
+    assert answer.json()["toast"]["type"] == "success"
+    assert requests.get(f"{am}/api/v2/silence/{silence_id}", timeout=5).json()["status"]["state"] == "expired"
+
+    audit = [(a["actor_name"], a["action"]) for a in bot.store.actions_of(episode["id"])]
+    assert audit == [("alice", "claim"), ("bob", "silence"), ("carol", "note"), ("alice", "unsilence")]
+    bot.delivery.flush_archive()
+    rows = [row for r in feishu.select("sheet") for row in r.body["valueRange"]["values"]]
+    assert any(row[3] == "note by carol: note: NIC reseated" for row in rows)
+    assert any(row[3].startswith("claim by alice") for row in rows)
+
+    summary = bot.queue_report(*week_around(time.time()), on_demand=True)
+    assert summary["notes"] == 1 and summary["actions"] == 4
+    sheet = openpyxl.load_workbook(summary["path"])["On call"]
+    cells = [c for row in sheet.iter_rows(values_only=True) for c in row if c]
+    assert "note: NIC reseated" in cells and "carol" in cells and "alice" in cells
+
+
+def week_around(now: float) -> tuple[Any, Any]:
+    from datetime import UTC, datetime, timedelta
+
+    day = datetime.fromtimestamp(now, UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return day - timedelta(days=3), day + timedelta(days=4)
+
+
+@pytest.mark.slow
+def test_refused_callbacks_change_nothing_and_are_logged(
+    oncall_bot, feishu: FeishuServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    bot, am = oncall_bot
+    url = f"http://127.0.0.1:{bot.port}/feishu/callback"
+    sender = CallbackSender(url, VERIFY, KEY)
+    episode, message_id = fire(
+        bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "x"}
+    )
+    claim = {"episode": episode["id"], "action": "claim"}
+    caplog.set_level(logging.WARNING)
+
+    assert sender.click(ALICE, claim, message_id, sign=False).status_code == 401
+    assert sender.click(ALICE, claim, message_id, key="someone-elses-key").status_code == 401
+    assert sender.click(ALICE, claim, message_id, timestamp=int(time.time()) - 3600).status_code == 401
+    forged_token = CallbackSender(url, "wrong-token", KEY)
+    assert forged_token.click(ALICE, claim, message_id).status_code == 401
+    off_roster = sender.click(MALLORY, claim, message_id)
+    assert off_roster.json()["toast"]["type"] == "error"
+    assert bot.store.episode(episode["id"])["claimed_by"] is None
+
+    assert sender.click(BOB, claim, message_id).json()["toast"]["type"] == "success"
+    replayed = sender.replay()
+    assert replayed.json()["toast"] == {"type": "error", "content": "This action was already received."}
+    assert [a["actor_name"] for a in bot.store.actions_of(episode["id"])] == ["bob"]
+    logged = caplog.text
+    for reason in (
+        "signature mismatch",
+        "more than 300s off",
+        "wrong verification token",
+        "not on the on-call roster",
+        "seen before (replay)",
+    ):
+        assert reason in logged
+    assert KEY not in logged and VERIFY not in logged
+
+    challenge = sender.post({"challenge": "c-123", "type": "url_verification", "token": VERIFY}, sign=False)
+    assert challenge.json() == {"challenge": "c-123"}
+
+
+@pytest.mark.slow
+def test_escalation_in_compressed_time(oncall_bot, feishu: FeishuServer) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    episode, message_id = fire(
+        bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "e"}
+    )
+    feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 1)
+    first = bot.store.escalations_of(episode["id"])[0]
+    order = [p.open_id for p in rotation(bot.cfg.oncall, first["at"])]
+
+    assert bot.escalate(now=first["at"] + 599) == 0
+    assert bot.escalate(now=first["at"] + 601) == 1
+    assert bot.escalate(now=first["at"] + 602) == 0  # that step is taken: at most once
+    feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 2)
+    assert feishu.select("urgent_phone")[1].body["user_id_list"] == [order[1]]
+
+    sender.click(order[1], {"episode": episode["id"], "action": "claim"}, message_id)
+    assert bot.escalate(now=first["at"] + 5000) == 0  # claimed: no third call
+    time.sleep(0.5)
+    assert len(feishu.select("urgent_phone")) == 2
+
+    slow = {"alertname": "MegatraceSlowRank", "severity": "P1", "job": "e", "rank": "5"}
+    p1, _ = fire(bot, am, feishu, slow)
+    assert feishu.messages()[-1].key == "oc_p1" and len(feishu.select("urgent_phone")) == 2
+    assert bot.escalate(now=p1["starts_at"] + 1799) == 0
+    assert bot.escalate(now=p1["starts_at"] + 1801) == 1
+    feishu.wait_for(
+        lambda: any(
+            m.key == "oc_p0"
+            and m.body["content"]["header"]["title"]["content"].startswith("[P0] FIRING: MegatraceSlowRank")
+            for m in feishu.messages()
+        )
+    )
+    feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 3)
+    raised = bot.store.episode(p1["id"])
+    assert raised["level"] == "P0" and raised["escalated"] == 1
+    assert [a["action"] for a in bot.store.actions_of(p1["id"])] == ["raise"]
+
+
+def test_weekly_rotation_with_overrides() -> None:
+    roster = [Person(r["name"], r["open_id"]) for r in ROSTER]
+    oncall = OncallConfig(
+        roster=roster,
+        rotation_start="2026-01-05T09:00:00+00:00",
+        overrides=[RotationOverride("2026-01-20T00:00:00+00:00", "2026-01-21T00:00:00+00:00", "alice")],
+    )
+    start = 1767603600.0  # 2026-01-05 09:00 UTC
+    names = [[p.name for p in rotation(oncall, start + w * WEEK + 3600)] for w in range(4)]
+    assert names == [
+        ["alice", "bob", "carol"],
+        ["bob", "carol", "alice"],
+        ["carol", "alice", "bob"],
+        ["alice", "bob", "carol"],
+    ]
+    in_override = 1768899600.0  # 2026-01-20 09:00 UTC, carol's week
+    assert [p.name for p in rotation(oncall, in_override)] == ["alice", "carol", "bob"]
+    assert rotation(oncall, start - 60)[0].name == "carol"  # the minute before the rotation's first week
+
+
+def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer) -> None:
+    ws = feishu.serve_long_connection()
+    cfg = oncall_config(tmp_path, feishu, "", mode="long_connection", verification_token="", encrypt_key="")
+    bot = Service(cfg)
+    bot.start()
+    try:
+        bot.store.insert_episode(
+            {
+                "fingerprint": "f1",
+                "starts_at": 1.0,
+                "alertname": "MegatraceRankHang",
+                "labels": "{}",
+                "annotations": "{}",
+                "generator_url": "",
+                "external_url": "",
+                "status": "firing",
+                "severity": "P0",
+                "level": "P0",
+                "first_seen": 1.0,
+                "last_seen": 1.0,
+            }
+        )
+        assert ws.connected.wait(20), feishu.summary()
+        answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"))
+        assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}
+        assert bot.store.episode(1)["claimed_by"] == "bob"
+        refused = ws.push(card_action_event("", MALLORY, {"episode": 1, "action": "claim"}, "om_1"))
+        assert refused["data"]["toast"]["type"] == "error"
+        assert [(a["actor_name"], a["source"]) for a in bot.store.actions_of(1)] == [
+            ("bob", "long_connection")
+        ]
+        assert feishu.select("ws_endpoint")
+    finally:
+        bot.stop()
