@@ -625,3 +625,18 @@ def test_packaged_chart_carries_the_linked_rules_and_dashboards(tmp_path: Path) 
     with helm_python.Chart.load(archive) as chart:
         manifests = chart.render(name=RELEASE, namespace=NAMESPACE)
     assert len(of_kind(objects_of(manifests), "PrometheusRule")) == len(rule_files())
+
+
+def test_alertbot_runs_replicas_on_a_configured_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = render({"alertbot": {"replicas": 2, "database": {"urlKey": "database-url"}}})
+    deployment = only(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
+    assert ("MEGATRACE_ALERTBOT_STORE__URL", "megatrace-alertbot", "database-url") in secret_refs(objects)
+    url = "postgresql://bot:pw@db.example:5432/megatrace"
+    config = bot_configuration(objects, {"webhook-token": "t", "database-url": url}, tmp_path, monkeypatch)
+    assert config.store.url == url
+    with pytest.raises(Exception, match="needs alertbot.database.urlKey"):
+        render({"alertbot": {"replicas": 2}})
