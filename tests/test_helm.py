@@ -638,5 +638,5 @@ def test_alertbot_runs_replicas_on_a_configured_database(
     url = "postgresql://bot:pw@db.example:5432/megatrace"
     config = bot_configuration(objects, {"webhook-token": "t", "database-url": url}, tmp_path, monkeypatch)
     assert config.store.url == url
-    with pytest.raises(Exception, match="needs alertbot.database.urlKey"):
+    with pytest.raises(Exception, match=r"needs alertbot\.database\.urlKey"):
         render({"alertbot": {"replicas": 2}})
