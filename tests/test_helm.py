@@ -690,3 +690,18 @@ def test_drilldown_from_agents_needs_the_trace_endpoint_and_prometheus() -> None
     )
     assert of_kind(objects, "NetworkPolicy") == []
     assert "--collectors=gpu,infiniband,tracer" in exporter_pod(objects)["containers"][0]["args"]
+
+
+def test_alertbot_runs_replicas_on_a_configured_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    objects = render({"alertbot": {"replicas": 2, "database": {"urlKey": "database-url"}}})
+    deployment = only(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
+    assert ("MEGATRACE_ALERTBOT_STORE__URL", "megatrace-alertbot", "database-url") in secret_refs(objects)
+    url = "postgresql://bot:pw@db.example:5432/megatrace"
+    config = bot_configuration(objects, {"webhook-token": "t", "database-url": url}, tmp_path, monkeypatch)
+    assert config.store.url == url
+    with pytest.raises(Exception, match=r"needs alertbot\.database\.urlKey"):
+        render({"alertbot": {"replicas": 2}})
