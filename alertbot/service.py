@@ -319,7 +319,8 @@ class Service:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.scheduler.shutdown(wait=False)
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=False)
         if self.httpd is not None:
             self.httpd.shutdown()
             self.httpd.server_close()
