@@ -20,6 +20,7 @@ import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +37,11 @@ MAX_WINDOWS = 12
 MIN_REL = 0.01
 _DIRECTED = re.compile(r"(-?\d+), (-?\d+)\)$")  # a pipeline channel's key ends with (…, src, dst)
 MIN_PERSISTENCE = 0.7
+# A rank held up once in every few instances (a data loader before each microbatch's first collective,
+# a link slow for one kind of call) barely moves its median lateness: it is late where it is late by
+# more than `SIG_REL` of the call interval in `NET_MIN` more of the instances than it is early by as much.
+SIG_REL = 0.05
+NET_MIN = 0.2
 PAIR_PERSISTENCE = 0.6  # share of transfers a pipeline neighbour must wait in to be named behind it
 MAX_PASSES = 3
 
@@ -46,6 +52,7 @@ class CommLateness:
     members: np.ndarray
     late_ns: np.ndarray  # median lateness per member
     persistence: np.ndarray  # share of instances arriving after the median
+    net: np.ndarray  # share of instances late by `SIG_REL` of the interval, less the share early by as much
     interval_ns: float
     instances: int
 
@@ -241,25 +248,49 @@ def comm_lateness(
         # the mean interval between instances: the median of consecutive gaps is too small where calls
         # come in bursts, and meaningless where instances of merged groups interleave
         interval = float((med.max() - med.min()) / (len(med) - 1)) if len(med) > 1 else 0.0
-        interval /= (strides or {}).get(c, 1)
+        interval = max(interval / (strides or {}).get(c, 1), 1.0)
+        big = SIG_REL * interval
+        net = (late >= big).mean(axis=1) - (late <= -big).mean(axis=1)
+        if unmasked.sum() == 1:  # its own median: the one member left says nothing of itself
+            net[unmasked] = np.nan
         out.append(
             CommLateness(
                 c,
                 members,
                 np.median(late, axis=1),
                 (late > 0).mean(axis=1),
-                max(interval, 1.0),
+                net,
+                interval,
                 t.shape[1],
             )
         )
     return out
 
 
+class _Seen(NamedTuple):
+    """How one member arrives in one communicator, against the instance medians."""
+
+    rel: float  # median lateness, relative to the call interval
+    pers: float  # share of instances after the median
+    net: float  # share of instances clearly late, less the share clearly early (`SIG_REL`)
+    cl: CommLateness
+
+    @property
+    def late(self) -> bool:
+        """Late here: most of the time by a margin, or clearly late in a good share of instances."""
+        return (self.rel >= MIN_REL and self.pers >= MIN_PERSISTENCE) or self.net >= NET_MIN
+
+    @property
+    def waits(self) -> bool:
+        """Clearly early in a good share of instances: the member waits here for another."""
+        return self.net <= -NET_MIN
+
+
 @dataclass
 class _Round:
-    """Lateness tables of one pass: per rank and communicator (relative lateness, persistence, data)."""
+    """Lateness tables of one pass: per rank and communicator, how it arrives there."""
 
-    late: dict[int, dict[int, tuple[float, float, CommLateness]]]
+    late: dict[int, dict[int, _Seen]]
     is_late: dict[int, set[int]]
     judged: dict[int, set[int]]
     local: set[int]
@@ -267,15 +298,14 @@ class _Round:
 
 
 def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
-    late: dict[int, dict[int, tuple[float, float, CommLateness]]] = {}
+    late: dict[int, dict[int, _Seen]] = {}
     for cl in per_comm:
         rel = cl.late_ns / cl.interval_ns
         for i, m in enumerate(cl.members.tolist()):
-            late.setdefault(m, {})[cl.comm] = (float(rel[i]), float(cl.persistence[i]), cl)
-    is_late = {
-        m: {c for c, (rel, pers, _cl) in comms.items() if rel >= MIN_REL and pers >= MIN_PERSISTENCE}
-        for m, comms in late.items()
-    }
+            late.setdefault(m, {})[cl.comm] = _Seen(
+                float(rel[i]), float(cl.persistence[i]), float(cl.net[i]), cl
+            )
+    is_late = {m: {c for c, seen in comms.items() if seen.late} for m, comms in late.items()}
     # communicators inside one host share a clock: lateness there needs no skew correction, so a rank
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
@@ -284,47 +314,68 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
 
 
 def _trails_everywhere(m: int, rnd: _Round) -> bool:
-    """A straggler is clearly late in some communicator and, in every other one, arrives after the
-    median in most instances: it waits for no one. (Where its call follows another collective with
-    little compute in between, it is late by less than `MIN_REL`, but not early.) A victim arrives early
-    where it waits: in the pipeline channel to the slow rank, or in the communicator it shares with it."""
+    """A straggler is clearly late in some communicator and waits in none: in every other one it arrives
+    after the median in most instances, or is neither clearly late nor clearly early there. (Where its
+    call follows another collective with little compute in between, it is late by less than `MIN_REL`,
+    but not early.) A victim arrives early where it waits: in the pipeline channel to the slow rank, or
+    in the communicator it shares with it."""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
+    clearly = any(late[c].net >= NET_MIN for c in judged - rnd.channels)
     return all(
         c in rnd.is_late[m]
         or (c in rnd.channels and not _early(late[c]))
-        or (c not in rnd.channels and late[c][0] >= 0 and late[c][1] >= MIN_PERSISTENCE)
+        or (c not in rnd.channels and not late[c].waits and _not_behind(late[c], clearly))
         for c in judged
     )
 
 
-def _early(entry: tuple[float, float, CommLateness]) -> bool:
+def _waits(m: int, rnd: _Round) -> bool:
+    """Waits for another rank somewhere it is judged."""
+    return any(_early(rnd.late[m][c]) if c in rnd.channels else rnd.late[m][c].waits for c in rnd.judged[m])
+
+
+def _not_behind(seen: _Seen, clearly: bool) -> bool:
+    """Arrives after the median as often as a straggler does. A rank `clearly` late elsewhere (often
+    by a wide margin) need only be seldom far from the median either way: its collectives there
+    follow others with little compute in between, where nobody waits long."""
+    return (seen.rel >= 0 and seen.pers >= MIN_PERSISTENCE) or (
+        clearly and seen.rel > -MIN_REL / 2 and abs(seen.net) < NET_MIN / 2
+    )
+
+
+def _early(seen: _Seen) -> bool:
     """Arrives before its channel peer more often than not, by half the margin that makes a rank late:
     it waits there for the peer. A channel has two ends only, so its noise is large: there a straggler
     need only not be early, while in a communicator it must arrive after the median as often as a
     straggler does."""
-    rel, pers, _cl = entry
-    return rel <= -MIN_REL / 2 and pers < 0.5
+    return (seen.rel <= -MIN_REL / 2 and seen.pers < 0.5) or seen.waits
 
 
 def _straggler(m: int, rnd: _Round) -> SlowSuspect:
     late, judged = rnd.late, rnd.judged
-    pers = min(late[m][c][1] for c in judged[m])
+    pers = min(late[m][c].pers for c in judged[m])
     # shown and ranked by the busiest communicator it is clearly late in (the most instances)
-    shown = max((late[m][c] for c in judged[m] & rnd.is_late[m]), key=lambda item: item[2].instances)
-    rel, cl = shown[0], shown[2]
-    return SlowSuspect(
-        m,
-        round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2),
-        f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
-        f"{'same-host ' if judged[m] <= rnd.local else ''}communicator it is in, by a median "
-        f"{rel:.1%} of the call interval "
-        f"({cl.late_ns[list(cl.members).index(m)] / 1e6:.2f} ms on communicator of "
-        f"{len(cl.members)} ranks).",
-        rel,
-    )
+    shown = max((late[m][c] for c in judged[m] & rnd.is_late[m]), key=lambda seen: seen.cl.instances)
+    cl, where = shown.cl, "same-host " if judged[m] <= rnd.local else ""
+    ms = cl.late_ns[list(cl.members).index(m)] / 1e6
+    if shown.rel >= MIN_REL and shown.pers >= MIN_PERSISTENCE:
+        rel, sure = shown.rel, pers
+        how = (
+            f"rank {m} arrived after the median in {pers:.0%} of {cl.instances} collectives of every "
+            f"{where}communicator it is in, by a median {rel:.1%} of the call interval ({ms:.2f} ms on "
+            f"a communicator of {len(cl.members)} ranks)."
+        )
+    else:
+        rel, sure = shown.net * SIG_REL, min(1.0, shown.net / (2 * NET_MIN))
+        how = (
+            f"rank {m} arrived over {SIG_REL:.0%} of the call interval after the median in "
+            f"{shown.net:.0%} more of {cl.instances} collectives than it arrived as early (on a "
+            f"communicator of {len(cl.members)} ranks), and waited in no {where}communicator it is in."
+        )
+    return SlowSuspect(m, round(float(np.clip(sure * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2), how, rel)
 
 
 def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
@@ -344,6 +395,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     mats = {i: _aligned(m, hosts, offsets) for i, m in mats.items()}
     _pipeline_residuals(mats, classes)
     channels = frozenset(classes)
+    stages = _stages(table, layout)
     best: dict[int, SlowSuspect] = {}
     windows: dict[int, int] = {}
     whole: set[int] = set()
@@ -359,7 +411,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 cols &= np.cumsum(cols[::-1])[::-1] <= WHOLE_INSTANCES
             if cols.sum() < MIN_INSTANCES:
                 continue
-            for rows in _same_stage(members, layout, c in channels):
+            for rows in _same_stage(members, stages, c in channels):
                 part.append(
                     (c, members[rows], enq[rows][:, cols], None if done is None else done[rows][:, cols])
                 )
@@ -383,16 +435,45 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     return SlowResult(suspects, offsets, len(mats))
 
 
-def _same_stage(members: np.ndarray, layout: Layout | None, channel: bool) -> list[np.ndarray]:
+def _stages(table: TraceTable, layout: Layout | None) -> np.ndarray | None:
+    """Pipeline stage of every rank: by the layout where it has several, else, where traces hold no
+    pipeline transfers (torch's Flight Recorder on gloo records none), the ranks joined by the
+    communicators smaller than the world (TP and DP groups stay inside a stage) when they split it into
+    equal blocks of several ranks. None: one stage, or nothing to tell them by."""
+    world = table.world_size
+    if layout is not None and layout.sizes.get("pp", 1) >= 2:
+        return np.array([layout.coords(r)["pp"] for r in range(world)])
+    block = list(range(world))
+
+    def root(r: int) -> int:
+        while block[r] != r:
+            block[r] = block[block[r]]
+            r = block[r]
+        return r
+
+    for comm in table.comms:
+        if comm.p2p or not 2 <= len(comm.members) < world or max(comm.members) >= world:
+            continue
+        first = root(comm.members[0])
+        for m in comm.members[1:]:
+            block[root(m)] = first
+    roots = np.array([root(r) for r in range(world)])
+    sizes = Counter(roots.tolist())
+    if len(sizes) < 2 or len(set(sizes.values())) != 1 or min(sizes.values()) < 2:
+        return None
+    return roots
+
+
+def _same_stage(members: np.ndarray, stages: np.ndarray | None, channel: bool) -> list[np.ndarray]:
     """The rows of a communicator whose arrivals can be compared: where its members sit in different
     pipeline stages (the world, or first and last stage sharing embeddings), the schedule decides who
     arrives last (in 1F1B the first stage ends its step last), so only members of one stage are
     compared with each other, and a stage of one member is not judged there. Pipeline channels were
     judged against their class already."""
-    if channel or layout is None or layout.sizes.get("pp", 1) < 2:
+    if channel or stages is None:
         return [np.arange(len(members))]
-    stages = np.array([layout.coords(m)["pp"] for m in members.tolist()])
-    groups = [np.flatnonzero(stages == s) for s in np.unique(stages).tolist()]
+    of = stages[members]
+    groups = [np.flatnonzero(of == s) for s in np.unique(of).tolist()]
     return [rows for rows in groups if len(rows) >= 2]
 
 
@@ -449,7 +530,10 @@ def _stragglers(
                 per_comm[i] = cl
         rnd = _lateness_round(per_comm, hosts, channels)
         first = first or rnd
-        found = [m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd)]
+        # a rank that waited for someone before any straggler was left out stays a victim
+        found = [
+            m for m in rnd.late if m not in stragglers and _trails_everywhere(m, rnd) and not _waits(m, first)
+        ]
         if not found:
             break
         stragglers.extend(found)
@@ -470,16 +554,16 @@ def _pipeline_pairs(rnd: _Round) -> list[SlowSuspect]:
         pair = [m for m in late if c in late[m]]
         if len(pair) != 2 or not all(is_late[m] for m in pair):
             continue
-        slow = max(pair, key=lambda g: late[g][c][0])
+        slow = max(pair, key=lambda g: late[g][c].rel)
         peer = next(g for g in pair if g != slow)
-        gap, pers, cl = late[slow][c]
+        gap, pers, cl = late[slow][c].rel, late[slow][c].pers, late[slow][c].cl
         if (
             gap < MIN_REL / 2
             or pers < PAIR_PERSISTENCE
             or any(_early(late[slow][x]) for x in rnd.judged[slow])
         ):
             continue
-        rel = max(late[slow][x][0] for x in is_late[slow])
+        rel = max(late[slow][x].rel for x in is_late[slow])
         if slow not in suspects or rel > suspects[slow].relative:
             suspects[slow] = SlowSuspect(
                 slow,

@@ -22,14 +22,18 @@ COMMS: dict[tuple[int, ...], tuple[int, dict[int, float]]] = {
 }
 
 
-def _table(steps: int, seed: int) -> TraceTable:
+Offsets = dict[int, float] | list[dict[int, float]]  # one dict for every call, or one per call of a step
+
+
+def _table(steps: int, seed: int, layout: dict[tuple[int, ...], tuple[int, Offsets]] = COMMS) -> TraceTable:
     rng = np.random.default_rng(seed)
     builder = TableBuilder()
     rows: dict[int, list[tuple[int, int, int, int]]] = {r: [] for r in range(4)}
-    for index, (members, (per_step, offsets)) in enumerate(COMMS.items()):
+    for index, (members, (per_step, offsets)) in enumerate(layout.items()):
         for seq in range(steps * per_step):
             start = seq * STEP_NS // per_step + index * 1_000_000
-            arrivals = {m: start + int((offsets[m] + rng.normal(0, 1.0)) * 1e6) for m in members}
+            now = offsets if isinstance(offsets, dict) else offsets[seq % per_step]
+            arrivals = {m: start + int((now.get(m, 0.0) + rng.normal(0, 1.0)) * 1e6) for m in members}
             done = max(arrivals.values()) + 100_000
             for m in members:
                 rows[m].append((index, seq, arrivals[m], done))
@@ -41,7 +45,7 @@ def _table(steps: int, seed: int) -> TraceTable:
         cols["enqueue_ns"][:] = [e for _c, _s, e, _d in calls]
         cols["complete_ns"][:] = [d for _c, _s, _e, d in calls]
         cols["op"][:] = OP_CODE["all_reduce"]
-        comms = [(members, members, False) for members in COMMS]
+        comms = [(members, members, False) for members in layout]
         info = RankInfo(rank, host="node-a", source="synthetic", fmt="ring", has_completion=True)
         builder.add(RankCalls(rank, cols, comms, info), f"rank-{rank}")
     return builder.build()
@@ -59,3 +63,40 @@ def test_a_victim_that_waits_somewhere_is_not_named() -> None:
     table = _table(steps=200, seed=7)
     suspects = detect_slow(table).suspects
     assert 2 not in [s.rank for s in suspects]  # late in the world communicator, early in (0, 2)
+
+
+# A 4-rank job (TP 2 × DP 2) whose rank 1 waits for its data loader before each microbatch: it is late,
+# by a third of the interval, only in the first of the four TP all-reduces of a microbatch, so its
+# median lateness there is nil. Its TP peer 0 waits for it there and is late in its own DP group after.
+QUARTER_LATE = 20.0  # ms, of a 62.5 ms interval
+LOADER: dict[tuple[int, ...], tuple[int, Offsets]] = {
+    (0, 1): (4, [{1: QUARTER_LATE, 0: -QUARTER_LATE}, {}, {}, {}]),
+    (2, 3): (4, {}),
+    (0, 2): (1, {0: 6.0, 2: -6.0}),
+    (1, 3): (1, {1: 6.0, 3: -6.0}),
+    (0, 1, 2, 3): (1, {}),
+}
+
+
+def test_a_rank_late_in_a_quarter_of_its_collectives_by_a_wide_margin_is_named_and_its_peer_is_not() -> None:
+    for seed in range(3):
+        suspects = detect_slow(_table(steps=100, seed=seed, layout=LOADER)).suspects
+        assert [s.rank for s in suspects] == [1]
+        assert "more of 400 collectives than it arrived as early" in suspects[0].evidence
+
+
+# A rank a little behind in its TP group (1.6 % of the interval, most of the time) and only as often
+# ahead as behind elsewhere: as schedules make it in healthy jobs. Being seldom far from the median
+# elsewhere clears a rank only where it was clearly late (by a wide margin, often).
+SLIGHTLY_BEHIND: dict[tuple[int, ...], tuple[int, Offsets]] = {
+    (0, 1): (4, {}),
+    (2, 3): (4, {2: 1.0, 3: -1.0}),
+    (0, 2): (1, {2: 0.3, 0: -0.3}),
+    (1, 3): (1, {}),
+    (0, 1, 2, 3): (1, {}),
+}
+
+
+def test_a_rank_slightly_behind_in_one_group_and_even_elsewhere_is_not_named() -> None:
+    for seed in range(3):
+        assert detect_slow(_table(steps=100, seed=seed, layout=SLIGHTLY_BEHIND)).suspects == []

@@ -40,6 +40,7 @@ from tests.support.services import free_port
 FAULTS = ("none", "hang-compute", "hang-collective", "hang-p2p", "slow-compute", "slow-comm", "slow-loader")
 DUMP_REQUEST = "dump-now"
 WIDTH = 64
+BURNS_PER_MICROBATCH = 3  # a stage burns its units once per layer forward (two layers) and once backward
 
 
 def groups_of(world: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
@@ -93,9 +94,10 @@ class _Job:
             a = (a @ a).clamp_(-1.0, 1.0)
 
     def calibrate(self) -> None:
-        """How long one microbatch's base work takes here: the unit of the injected delays."""
+        """How long one microbatch's base work takes here (both layers' forward and the backward, each
+        `--work` units): the unit of the injected delays."""
         start = time.perf_counter()
-        self.burn(self.args.work)
+        self.burn(BURNS_PER_MICROBATCH * self.args.work)
         if self.faulty and self.args.fault in ("slow-comm", "slow-loader"):
             self.delay_s = self.args.factor * (time.perf_counter() - start)
 
