@@ -295,6 +295,7 @@ class _Round:
     judged: dict[int, set[int]]
     local: set[int]
     channels: frozenset[int]  # pipeline channels among the communicators
+    clearly: set[int]  # ranks clearly late in a communicator they are judged in (`_Seen.net`)
 
 
 def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
@@ -310,7 +311,8 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
     judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
-    return _Round(late, is_late, judged, local, channels)
+    clearly = {m for m, comms in judged.items() if any(late[m][c].net >= NET_MIN for c in comms - channels)}
+    return _Round(late, is_late, judged, local, channels, clearly)
 
 
 def _trails_everywhere(m: int, rnd: _Round) -> bool:
@@ -318,23 +320,35 @@ def _trails_everywhere(m: int, rnd: _Round) -> bool:
     after the median in most instances, or is neither clearly late nor clearly early there. (Where its
     call follows another collective with little compute in between, it is late by less than `MIN_REL`,
     but not early.) A victim arrives early where it waits: in the pipeline channel to the slow rank, or
-    in the communicator it shares with it."""
+    in the communicator it shares with it. Members of one communicator clearly late elsewhere together
+    (a whole tensor-parallel group behind in its data-parallel groups) share a cause, a pipeline
+    neighbour they wait for most often: there none of them is named on that lateness alone."""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False
     late = rnd.late[m]
-    clearly = any(late[c].net >= NET_MIN for c in judged - rnd.channels)
+    if any(_early(late[c]) for c in late.keys() & rnd.channels):
+        return False
     return all(
         c in rnd.is_late[m]
         or (c in rnd.channels and not _early(late[c]))
-        or (c not in rnd.channels and not late[c].waits and _not_behind(late[c], clearly))
+        or (c not in rnd.channels and not late[c].waits and _not_behind(late[c], _alone(m, late[c], rnd)))
         for c in judged
     )
 
 
+def _alone(m: int, seen: _Seen, rnd: _Round) -> bool:
+    """`m` is clearly late somewhere, and no other member of this communicator is."""
+    return m in rnd.clearly and not (set(seen.cl.members.tolist()) - {m}) & rnd.clearly
+
+
 def _waits(m: int, rnd: _Round) -> bool:
-    """Waits for another rank somewhere it is judged."""
-    return any(_early(rnd.late[m][c]) if c in rnd.channels else rnd.late[m][c].waits for c in rnd.judged[m])
+    """Waits for another rank somewhere it is judged, or in a pipeline channel: a channel says who waits
+    for whom even across hosts (each is judged against its class, so host clock offsets cancel)."""
+    late = rnd.late[m]
+    return any(_early(late[c]) for c in late.keys() & rnd.channels) or any(
+        late[c].waits for c in rnd.judged[m] - rnd.channels
+    )
 
 
 def _not_behind(seen: _Seen, clearly: bool) -> bool:

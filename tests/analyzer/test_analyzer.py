@@ -257,3 +257,17 @@ def test_replayed_long_traces_stay_healthy(tmp_path):
     S.write_ring_files(trace, tmp_path, repeat=4)
     report = analyze([tmp_path], LayoutConfig(tp=2))
     assert report["verdict"] == "healthy" and report["records"] == 4 * len(trace.rank)
+
+
+@pytest.mark.parametrize("fmt", ["ring", "nccl"])
+def test_pipeline_neighbours_held_up_by_a_slow_stage_on_another_host_are_not_named(tmp_path, fmt):
+    """Rank 12 (stage 1, second host) runs 100 % slower: its stage-0 neighbours 4 and 5 wait for its
+    gradients and reach their data-parallel all-reduces late, level with each other. In ring files the
+    cross-host pipeline channel shows them waiting; in NCCL logs (no transfers) the whole tensor-parallel
+    pair is late together, so neither is named on that alone."""
+    sc = S.Scenario(
+        world=16, tp=2, pp=2, steps=12, jitter=0.03, seed=45, slow={12: 1.0}, skew_ms={0: 3.0, 1: 3.6}
+    )
+    report = analyze([_write(S.simulate(sc), fmt, tmp_path / fmt)], LayoutConfig(tp=2, pp=2))
+    assert report["verdict"] == "slow"
+    assert [s["rank"] for s in report["suspects"]] == [12]
