@@ -42,7 +42,6 @@ MIN_PERSISTENCE = 0.7
 # more than `SIG_REL` of the call interval in `NET_MIN` more of the instances than it is early by as much.
 SIG_REL = 0.05
 NET_MIN = 0.2
-PAIR_PERSISTENCE = 0.6  # share of transfers a pipeline neighbour must wait in to be named behind it
 MAX_PASSES = 3
 
 
@@ -413,7 +412,6 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     best: dict[int, SlowSuspect] = {}
     windows: dict[int, int] = {}
     whole: set[int] = set()
-    first: _Round | None = None
     for window, seqs, strides in plan:
         part = []
         for i, want in seqs.items():
@@ -429,9 +427,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 part.append(
                     (c, members[rows], enq[rows][:, cols], None if done is None else done[rows][:, cols])
                 )
-        found, rnd = _stragglers(part, hosts, strides, channels)
-        first = first or rnd
-        for suspect in found:
+        for suspect in _stragglers(part, hosts, strides, channels):
             if window and suspect.relative < WINDOW_MIN_REL:
                 continue
             if window:
@@ -443,8 +439,6 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 best[suspect.rank] = suspect
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
-    if first is not None and not suspects:
-        suspects.extend(_pipeline_pairs(first))
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     return SlowResult(suspects, offsets, len(mats))
 
@@ -527,7 +521,7 @@ def _time_windows(comms: list[_Comm]) -> list[tuple[str, dict[int, np.ndarray], 
 
 def _stragglers(
     mats: list, hosts: list[str], strides: dict[int, int], channels: frozenset[int]
-) -> tuple[list[SlowSuspect], _Round]:
+) -> list[SlowSuspect]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
     a communicator with a severe one (both late in the same DP group, say) is not hidden behind it."""
@@ -552,40 +546,4 @@ def _stragglers(
             break
         stragglers.extend(found)
         suspects.extend(_straggler(m, rnd) for m in found)
-    return suspects, first or _lateness_round(per_comm, hosts, channels)
-
-
-def _pipeline_pairs(rnd: _Round) -> list[SlowSuspect]:
-    """Pipeline neighbours both late in their own groups while neither trails everywhere: a slow rank
-    holds up its whole pipeline, so its neighbour is late in its group too. The one its neighbour
-    clearly waits for in their transfers (against the same transfers of other pipelines), and that
-    waits for no one itself (a TP peer of the slow rank is late in the pipeline too), is named;
-    ranks late together with no such evidence (a whole replica behind, as scheduling noise makes it on
-    a shared machine) are not."""
-    late, is_late = rnd.late, rnd.is_late
-    suspects: dict[int, SlowSuspect] = {}
-    for c in rnd.channels:
-        pair = [m for m in late if c in late[m]]
-        if len(pair) != 2 or not all(is_late[m] for m in pair):
-            continue
-        slow = max(pair, key=lambda g: late[g][c].rel)
-        peer = next(g for g in pair if g != slow)
-        gap, pers, cl = late[slow][c].rel, late[slow][c].pers, late[slow][c].cl
-        if (
-            gap < MIN_REL / 2
-            or pers < PAIR_PERSISTENCE
-            or any(_early(late[slow][x]) for x in rnd.judged[slow])
-        ):
-            continue
-        rel = max(late[slow][x].rel for x in is_late[slow])
-        if slow not in suspects or rel > suspects[slow].relative:
-            suspects[slow] = SlowSuspect(
-                slow,
-                round(float(np.clip(pers * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.9)), 2),
-                f"rank {slow} and its pipeline neighbour {peer} are both late in their own groups (by "
-                f"{rel:.1%} of the call interval), and {peer} waits for {slow} in {pers:.0%} of their "
-                f"{cl.instances} transfers, against the same transfers of other pipelines: {slow} holds "
-                "up its pipeline.",
-                rel,
-            )
-    return list(suspects.values())
+    return suspects
