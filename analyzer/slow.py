@@ -294,7 +294,9 @@ class _Round:
     judged: dict[int, set[int]]
     local: set[int]
     channels: frozenset[int]  # pipeline channels among the communicators
-    clearly: set[int]  # ranks clearly late in a communicator they are judged in (`_Seen.net`)
+    clearly: set[
+        int
+    ]  # ranks clearly late in a communicator they are judged in (`_Seen.net`), waiting nowhere
 
 
 def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
@@ -310,8 +312,13 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
     judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
-    clearly = {m for m, comms in judged.items() if any(late[m][c].net >= NET_MIN for c in comms - channels)}
-    return _Round(late, is_late, judged, local, channels, clearly)
+    rnd = _Round(late, is_late, judged, local, channels, set())
+    rnd.clearly = {
+        m
+        for m, comms in judged.items()
+        if any(late[m][c].net >= NET_MIN for c in comms - channels) and not _waits(m, rnd)
+    }
+    return rnd
 
 
 def _trails_everywhere(m: int, rnd: _Round) -> bool:
@@ -319,9 +326,10 @@ def _trails_everywhere(m: int, rnd: _Round) -> bool:
     after the median in most instances, or is neither clearly late nor clearly early there. (Where its
     call follows another collective with little compute in between, it is late by less than `MIN_REL`,
     but not early.) A victim arrives early where it waits: in the pipeline channel to the slow rank, or
-    in the communicator it shares with it. Members of one communicator clearly late elsewhere together
-    (a whole tensor-parallel group behind in its data-parallel groups) share a cause, a pipeline
-    neighbour they wait for most often: there none of them is named on that lateness alone."""
+    in the communicator it shares with it. Members of one communicator clearly late elsewhere together,
+    waiting nowhere (a whole tensor-parallel group behind in its data-parallel groups, level within
+    itself), share a cause, a pipeline neighbour they wait for: none of them is named on that alone.
+    (A data loader's TP peer is late in its DP group too, but waits for the loader in their group.)"""
     judged = rnd.judged[m]
     if not judged or not (rnd.is_late[m] & judged):
         return False

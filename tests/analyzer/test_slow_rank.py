@@ -100,3 +100,19 @@ SLIGHTLY_BEHIND: dict[tuple[int, ...], tuple[int, Offsets]] = {
 def test_a_rank_slightly_behind_in_one_group_and_even_elsewhere_is_not_named() -> None:
     for seed in range(3):
         assert detect_slow(_table(steps=100, seed=seed, layout=SLIGHTLY_BEHIND)).suspects == []
+
+
+# The same loader, where the TP peer's wait makes it late by a wide margin in its own DP group: the
+# peer is clearly late there, but it waits for the loader in their TP group, so the world
+# communicator (where the loader rank is neither late nor early) does not clear the peer and the
+# loader together as ranks late for one shared cause.
+LOADER_PEER_LATE: dict[tuple[int, ...], tuple[int, Offsets]] = {
+    **LOADER,
+    (0, 2): (1, {0: QUARTER_LATE, 2: -QUARTER_LATE}),
+}
+
+
+def test_a_loader_is_named_when_its_waiting_peer_is_clearly_late_elsewhere() -> None:
+    for seed in range(3):
+        suspects = detect_slow(_table(steps=100, seed=seed, layout=LOADER_PEER_LATE)).suspects
+        assert [s.rank for s in suspects] == [1]
