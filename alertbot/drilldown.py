@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.channels import card_message
 from megatrace.alertbot.config import DrilldownConfig
 from megatrace.alertbot.gather import Gathered, GatherError, gather
 from megatrace.alertbot.metrics import BotMetrics
@@ -263,7 +264,7 @@ class DrilldownRunner:
                     card = self.renderer.drilldown_card(
                         row["job"], row["alertname"], episode["level"], result, ref_key
                     )
-                    payload = json.dumps({"msg_type": "interactive", "card": card}, ensure_ascii=False)
+                    payload = json.dumps(card_message(card), ensure_ascii=False)
                     self.pipeline.enqueue(
                         "drilldown",
                         ref_key,

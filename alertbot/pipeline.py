@@ -14,7 +14,8 @@ import json
 import logging
 from typing import Any
 
-from megatrace.alertbot.config import AlertbotConfig, app_configured, drilldown_enabled
+from megatrace.alertbot.channels import routes
+from megatrace.alertbot.config import AlertbotConfig, drilldown_enabled
 from megatrace.alertbot.grading import PolicyRule, grade
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_webhook
@@ -44,18 +45,6 @@ def idempotency_key(kind: str, ref: str, channel: str, destination: str) -> str:
     return f"mt-{digest[:40]}"
 
 
-def destinations(cfg: AlertbotConfig, level: str) -> list[tuple[str, str]]:
-    """Channels for a level: its group bot, its app chat, or the console when neither exists."""
-    if level in cfg.delivery.report_only_levels:
-        return []
-    found = []
-    if level in cfg.feishu.group_bots:
-        found.append(("bot", level))
-    if app_configured(cfg) and level in cfg.feishu.app.chats:
-        found.append(("app", cfg.feishu.app.chats[level]))
-    return found or [("console", level)]
-
-
 @dataclasses.dataclass
 class Pipeline:
     store: Store
@@ -68,7 +57,7 @@ class Pipeline:
     ) -> int:
         """Queue notification `kind` for every destination of `level`; returns how many were queued."""
         queued = 0
-        for channel, destination in destinations(self.cfg, level):
+        for channel, destination in routes(self.cfg, level):
             row = {
                 "kind": kind,
                 "channel": channel,
@@ -137,7 +126,7 @@ class Pipeline:
     def _storm_for(self, episode: dict[str, Any], now: float) -> int | None:
         """The storm this new firing episode joins, or None when it is notified on its own."""
         d = self.cfg.dedupe
-        if d.storm_threshold <= 0 or not destinations(self.cfg, episode["level"]):
+        if d.storm_threshold <= 0 or not routes(self.cfg, episode["level"]):
             return None
         others = self.store.count_new_of_kind(episode["alertname"], episode["level"], now - d.storm_window_s)
         if others - 1 < d.storm_threshold:

@@ -92,6 +92,16 @@ MIGRATIONS: tuple[str, ...] = (
         id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, step INTEGER NOT NULL, message_id TEXT NOT NULL,
         users TEXT NOT NULL, at REAL NOT NULL, UNIQUE (episode_id, step));
     """,
+    # Card updates name the card they replace (parent_id) on its own channel and chat.
+    """
+    UPDATE outbox SET
+        parent_id = (SELECT p.id FROM outbox p
+            WHERE p.channel = 'app' AND p.message_id = outbox.destination LIMIT 1),
+        destination = COALESCE((SELECT p.destination FROM outbox p
+            WHERE p.channel = 'app' AND p.message_id = outbox.destination LIMIT 1), outbox.destination),
+        channel = 'app'
+        WHERE channel = 'app-update';
+    """,
 )
 
 OPEN_STATES = ("pending", "sending")
