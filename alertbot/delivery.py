@@ -22,11 +22,12 @@ from typing import Any
 import requests
 
 from megatrace.alertbot.actions import oncall_context
-from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.cards import CardRenderer, placement_text
 from megatrace.alertbot.channels import CHANNELS, Channel, ConsoleSink, Context
 from megatrace.alertbot.channels.sheet import flush_archive
 from megatrace.alertbot.config import AlertbotConfig
 from megatrace.alertbot.feishu import FeishuApp, SendResult
+from megatrace.alertbot.incident import load as load_incident
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import first_call
 from megatrace.alertbot.ratelimit import RateLimiter
@@ -98,15 +99,22 @@ class Delivery:
         episode = self.store.episode(row["episode_id"])
         if episode is None:
             return None
-        acting = self.cfg.feishu.callback.mode and channel.name == "app"
-        oncall = (
-            oncall_context(self.store, self.renderer, episode, now)
-            if acting and episode["status"] == "firing"
+        incident = (
+            load_incident(self.store, episode["incident_id"], placement_text)
+            if episode["incident_id"] is not None
             else None
         )
-        shown = "firing" if kind == "card-update" else kind
+        if incident is not None:  # the page as it was, or the incident's card in its current state
+            firing = kind in ("firing", "repeat") or not incident.closed
+            shown = kind if kind in ("firing", "repeat") else "firing" if firing else "resolved"
+        else:
+            firing = episode["status"] == "firing"
+            shown = "firing" if kind == "card-update" else kind
+        acting = self.cfg.feishu.callback.mode and channel.name == "app"
+        oncall = oncall_context(self.store, self.renderer, episode, now) if acting and firing else None
+        ref = self.store.outbox_row(row["parent_id"])["idem_key"] if is_update(row) else row["idem_key"]
         card = self.renderer.alert_card(
-            episode, shown, row["idem_key"], self.cfg.dedupe.flap_hold_s, now, oncall
+            episode, shown, ref, self.cfg.dedupe.flap_hold_s, now, oncall, incident
         )
         return channel.render(card)
 

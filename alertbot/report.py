@@ -17,6 +17,7 @@ from openpyxl.chart import BarChart, Reference
 from openpyxl.styles import Font
 
 from megatrace.alertbot.config import LEVELS, OncallConfig
+from megatrace.alertbot.incident import node_of
 from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.store import Store
 
@@ -38,15 +39,6 @@ DETAIL_COLUMNS = (
     "Duplicates",
     "Fingerprint",
 )
-
-
-def node_of(labels: dict[str, str]) -> str:
-    """The node an alert is about: `node`, `hostname` or the host part of `instance`."""
-    for key in ("node", "hostname"):
-        if labels.get(key):
-            return labels[key]
-    instance = labels.get("instance", "")
-    return instance.rsplit(":", 1)[0] if instance.count(":") == 1 else instance
 
 
 def _minutes(row: Any) -> float | None:

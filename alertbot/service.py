@@ -86,9 +86,7 @@ class Service:
         self._last_takeover = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.drilldowns = DrilldownRunner(
-            self.pipeline, self.renderer, cfg.drilldown, self.metrics, self.wake
-        )
+        self.drilldowns = DrilldownRunner(self.pipeline, cfg.drilldown, self.metrics, self.wake)
         self.scheduler = BackgroundScheduler(timezone=cfg.report.timezone)
         self._threads: list[threading.Thread] = []
         self.stall_after_s = WORKER_STALL_S

@@ -285,7 +285,7 @@ def test_report_beside_a_running_bot_that_writes_the_database(tmp_path: Path) ->
     def keep_posting() -> None:  # the bot writes the database all through the report runs
         while not stop.is_set():
             item = alert(
-                "MegatraceSlowRank", severity="P1", starts_at=time.time(), job="llm", rank=str(len(posted))
+                "MegatraceSlowRank", severity="P1", starts_at=time.time(), job=f"llm-{len(posted)}", rank="0"
             )
             answer = requests.post(f"{base}/alertmanager", json=webhook(item), headers=auth, timeout=10)
             posted.append(answer.status_code)

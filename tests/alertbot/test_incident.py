@@ -1,0 +1,174 @@
+"""One incident, one card: a job's hang alerts (the rules' `MegatraceJobHang` and per-rank
+`MegatraceRankHang`) page once, name the culprit from the rules' labels or the drill-down's verdict,
+and are updated — in place on the app channel (Feishu's message update), as one reply through a group
+bot — when the verdict comes late and when the incident resolves. The on-call people are phoned once."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from megatrace.alertbot.drilldown import DrilldownRunner
+from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
+from tests.support.feishu_server import FeishuServer
+
+T0 = 1_790_000_000.0
+STUB = """
+import json, pathlib, sys, time
+gate, report = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+while not gate.exists():
+    time.sleep(0.05)
+print(report.read_text())
+"""
+VERDICT = {
+    "verdict": "hang",
+    "suspects": [
+        {
+            "rank": 5,
+            "kind": "hang",
+            "confidence": 0.8,
+            "evidence": "rank 5 never entered step 7.",
+            "host": "gpu-9",
+        }
+    ],
+}
+
+
+def job_hang(status: str = "firing", **culprit: str) -> dict:
+    labels = {"culprit_rank": "unknown", "culprit_node": "unknown", "culprit_seen": "unknown", **culprit}
+    return alert("MegatraceJobHang", status, ends_at=T0 + 300, job="llm-7", **labels)
+
+
+def rank_hangs(status: str = "firing") -> list[dict]:
+    return [alert(status=status, ends_at=T0 + 300, severity="P3", job="llm-7", rank=str(r)) for r in range(8)]
+
+
+def drilldown(tmp_path: Path, wait: float) -> tuple[dict, Path]:
+    root = tmp_path / "traces"
+    (root / "llm-7").mkdir(parents=True)
+    gate = tmp_path / "gate"
+    (tmp_path / "report.json").write_text(json.dumps(VERDICT))
+    (tmp_path / "stub.py").write_text(STUB)
+    command = [sys.executable, str(tmp_path / "stub.py"), str(gate), str(tmp_path / "report.json")]
+    return {"trace_roots": [str(root)], "analyzer_command": command, "verdict_wait_s": wait}, gate
+
+
+def title(card: dict) -> str:
+    return card["header"]["title"]["content"]
+
+
+def text(card: dict) -> str:
+    return card["elements"][0]["text"]["content"]
+
+
+def late_verdict_then_resolve(bot: Bot, gate: Path) -> None:
+    """Fire the hang, let its card go out before the verdict, then the verdict, then the resolve."""
+    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
+    bot.receive(webhook(job_hang(), *rank_hangs()), T0)
+    runner.submit_pending()
+    bot.drain()
+    gate.touch()
+    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    bot.drain()
+    bot.receive(webhook(job_hang("resolved"), *rank_hangs("resolved")), T0 + 300)
+    bot.drain()
+    runner.shutdown()
+
+
+def test_app_channel_pages_once_and_updates_the_card_in_place(tmp_path: Path, feishu: FeishuServer) -> None:
+    settings, gate = drilldown(tmp_path, wait=0.3)
+    app = {
+        "app_id": feishu.app_id,
+        "app_secret": feishu.app_secret,
+        "chats": {"P0": "oc_p0"},
+        "oncall": ["ou_a"],
+    }
+    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "app": app}, drilldown=settings))
+    late_verdict_then_resolve(bot, gate)
+    (message,) = feishu.messages("oc_p0")  # the per-rank P3 alerts joined no card of their own
+    assert title(message.body["content"]) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
+    assert len(feishu.select("urgent_phone")) == 1
+    verdict, resolved = (r.body["card"] for r in feishu.select("update", message.message_id))
+    assert title(verdict) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
+    assert "**Culprit**: rank **5** on node **gpu-9** (confidence 80%)" in text(verdict)
+    assert "**Seen**: rank 5 never entered step 7." in text(verdict)
+    assert title(resolved) == "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7"
+    assert resolved["header"]["template"] == "green" and "**Resolved** after 5m" in text(resolved)
+    assert feishu.rejections == []
+    assert [r["state"] for r in bot.store.query("SELECT state FROM outbox")] == ["sent"] * 4
+
+
+def test_group_bot_gets_one_reply_per_change(tmp_path: Path, feishu: FeishuServer) -> None:
+    settings, gate = drilldown(tmp_path, wait=0.3)
+    hook = feishu.add_bot(chat_id="oc_group")
+    bot = Bot(
+        config(
+            tmp_path,
+            feishu={"base_url": feishu.url, "group_bots": {"P0": {"webhook": hook}}},
+            drilldown=settings,
+        )
+    )
+    late_verdict_then_resolve(bot, gate)
+    posts = [title(p.body["card"]) for p in feishu.bot_posts(hook)]
+    assert posts == [
+        "[P0] FIRING: job llm-7 hangs — culprit not known yet",
+        "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7",
+        "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7",
+    ]
+    refs = {p.body["card"]["elements"][-1]["elements"][0]["content"] for p in feishu.bot_posts(hook)}
+    assert len(refs) == 1  # the replies carry the ref of the card they follow
+
+
+def test_a_culprit_the_rules_name_goes_out_at_once(tmp_path: Path) -> None:
+    settings, _ = drilldown(tmp_path, wait=300)
+    bot = Bot(config(tmp_path, drilldown=settings))
+    hang = job_hang(culprit_rank="3", culprit_node="gpu-7", culprit_seen="dead")
+    bot.receive(webhook(hang, *rank_hangs()), T0)
+    assert bot.delivery.deliver_due() == 1  # no wait for the drill-down
+    (card,) = bot.console()
+    assert title(card["card"]) == "[P0] FIRING: rank 3 hung on gpu-7 — job llm-7"
+    body = text(card["card"])
+    assert "**Seen**: Rank 3 stopped: its process is gone or no longer reports" in body
+    assert "**Do first**: Drain node gpu-7, then restart job llm-7 from its last checkpoint." in body
+
+
+def test_a_later_alert_naming_the_culprit_updates_the_card(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))  # no drill-down configured: only the rules can name the culprit
+    bot.receive(webhook(alert(job="llm-7", rank="0")), T0)
+    bot.drain()
+    bot.receive(webhook(job_hang(culprit_rank="3", culprit_node="gpu-7", culprit_seen="awaited")), T0 + 5)
+    bot.drain()
+    first, update = bot.console()
+    assert title(first["card"]) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
+    assert (
+        update["kind"] == "verdict"
+        and title(update["card"]) == "[P0] FIRING: rank 3 hung on gpu-7 — job llm-7"
+    )
+    assert "**Also alerting**: rank 0" in text(update["card"])
+
+
+def test_refs_differ_across_runs_of_a_fresh_bot(tmp_path: Path) -> None:
+    refs = []
+    for run, start in enumerate((T0, T0 + 3600)):
+        bot = Bot(config(tmp_path / str(run)))
+        bot.receive(webhook(alert(job="llm-7", rank="0", starts_at=start)), start)
+        bot.drain()
+        refs.append(bot.console()[0]["card"]["elements"][-1]["elements"][0]["content"])
+    assert refs[0] != refs[1]
+
+
+def test_p3_is_never_phoned(tmp_path: Path, feishu: FeishuServer) -> None:
+    level = "P3"
+    app = {
+        "app_id": feishu.app_id,
+        "app_secret": feishu.app_secret,
+        "chats": {level: "oc_low"},
+        "oncall": ["ou_a"],
+        "phone_levels": [level],
+    }
+    cfg = config(tmp_path, feishu={"base_url": feishu.url, "app": app}, delivery={"report_only_levels": []})
+    bot = Bot(cfg)
+    bot.receive(webhook(alert("DiskFilling", severity=level, instance="gpu-1:9100")), T0)
+    bot.drain()
+    assert len(feishu.messages("oc_low")) == 1 and feishu.select("urgent_phone") == []
