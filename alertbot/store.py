@@ -362,6 +362,14 @@ class Store:
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self.execute(f"UPDATE incidents SET {assignments} WHERE id = ?", (*fields.values(), incident_id))
 
+    def incidents_led_between(self, since: float, until: float) -> list[sqlite3.Row]:
+        """Incidents whose first alert started in [since, until)."""
+        return self.query(
+            "SELECT i.* FROM incidents i JOIN episodes e ON e.id = i.lead_episode_id "
+            "WHERE e.starts_at >= ? AND e.starts_at < ? ORDER BY i.id",
+            (since, until),
+        )
+
     def incident_members(self, incident_id: int) -> list[sqlite3.Row]:
         return self.query("SELECT * FROM episodes WHERE incident_id = ? ORDER BY id", (incident_id,))
 
