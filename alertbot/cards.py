@@ -26,7 +26,8 @@ from megatrace.alertbot.incident import headline as incident_headline
 log = logging.getLogger(__name__)
 
 COLOURS = {"P0": "red", "P1": "orange", "P2": "yellow", "P3": "blue"}
-HIDDEN_LABELS = frozenset({"alertname", "severity"})
+# Not listed among a card's labels: the title and the culprit line say them in words.
+HIDDEN_LABELS = frozenset({"alertname", "severity", "culprit_rank", "culprit_node", "culprit_seen"})
 CARD_LIMIT = 19 * 1024  # leaves room for the message envelope and signature within 20 KB
 MAX_URL = 1500
 WHERE_LABELS = ("job", "rank", "instance", "node", "gpu", "device")
