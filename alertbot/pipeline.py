@@ -212,11 +212,11 @@ class Pipeline:
         for row in held:
             self.store.set_outbox(row["id"], state="suppressed", last_error="resolved before it was sent")
             self.metrics.suppressed.inc()
+        if existing["incident_id"] is not None:  # whether its card went out alone or in a storm
+            self._incident_member_resolved(existing["incident_id"], now)
         if existing["storm_id"] is not None:
             self._storm_member_resolved(existing["storm_id"], existing["level"], now)
-        elif existing["incident_id"] is not None:
-            self._incident_member_resolved(existing["incident_id"], now)
-        elif existing["last_notified"] is not None and not held:
+        elif existing["incident_id"] is None and existing["last_notified"] is not None and not held:
             self.enqueue("resolved", episode_ref(existing), existing["level"], now, episode_id=existing["id"])
 
     def _storm_member_resolved(self, storm_id: int, level: str, now: float) -> None:

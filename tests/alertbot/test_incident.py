@@ -172,3 +172,15 @@ def test_p3_is_never_phoned(tmp_path: Path, feishu: FeishuServer) -> None:
     bot.receive(webhook(alert("DiskFilling", severity=level, instance="gpu-1:9100")), T0)
     bot.drain()
     assert len(feishu.messages("oc_low")) == 1 and feishu.select("urgent_phone") == []
+
+
+def test_incidents_whose_card_was_a_storm_close_and_a_new_hang_opens_a_new_one(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path, dedupe={"storm_threshold": 1, "storm_hold_s": 0}))
+    hangs = [alert(job=f"llm-{j}", rank="0") for j in range(3)]
+    bot.receive(webhook(*hangs), T0)
+    bot.receive(
+        webhook(*({**h, "status": "resolved", "endsAt": "2026-09-21T12:00:00Z"} for h in hangs)), T0 + 60
+    )
+    assert [row["closed_at"] for row in bot.store.query("SELECT * FROM incidents")] == [T0 + 60] * 3
+    bot.receive(webhook(alert(job="llm-2", rank="0", starts_at=T0 + 600)), T0 + 600)
+    assert len(bot.store.query("SELECT * FROM incidents")) == 4
