@@ -112,7 +112,10 @@ class Delivery:
             shown = "firing" if kind == "card-update" else kind
         acting = self.cfg.feishu.callback.mode and channel.name == "app"
         oncall = oncall_context(self.store, self.renderer, episode, now) if acting and firing else None
-        ref = self.store.outbox_row(row["parent_id"])["idem_key"] if is_update(row) else row["idem_key"]
+        ref = row["idem_key"]
+        if is_update(row):  # the card's own ref where it is replaced; a reply's own, naming the card's
+            card_ref = self.store.outbox_row(row["parent_id"])["idem_key"]
+            ref = card_ref if channel.edits else f"{ref} (follows {card_ref})"
         card = self.renderer.alert_card(
             episode, shown, ref, self.cfg.dedupe.flap_hold_s, now, oncall, incident
         )

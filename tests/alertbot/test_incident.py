@@ -116,8 +116,13 @@ def test_group_bot_gets_one_reply_per_change(tmp_path: Path, feishu: FeishuServe
         "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7",
         "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7",
     ]
-    refs = {p.body["card"]["elements"][-1]["elements"][0]["content"] for p in feishu.bot_posts(hook)}
-    assert len(refs) == 1  # the replies carry the ref of the card they follow
+    first, *replies = (
+        p.body["card"]["elements"][-1]["elements"][0]["content"] for p in feishu.bot_posts(hook)
+    )
+    card_ref = first.removeprefix("megatrace ref ")
+    # each reply has a ref of its own (crash recovery looks for it) and names the card it follows
+    assert [reply.endswith(f" (follows {card_ref})") for reply in replies] == [True, True]
+    assert len({reply.split()[2] for reply in replies} | {card_ref}) == 3
 
 
 def test_a_culprit_the_rules_name_goes_out_at_once(tmp_path: Path) -> None:
