@@ -238,10 +238,14 @@ class Pipeline:
         self.enqueue("storm-resolved", ref, level, now, max([not_before, *opened]), storm_id=storm_id)
 
     def _request_drilldown(self, episode: dict[str, Any], now: float) -> bool:
-        """Ask for a drill-down of the episode's job; True when one was requested now."""
+        """Ask for a drill-down of the episode's job; True when one was requested now. A level
+        nothing is sent for (report only, e.g. the per-rank P3 hang alerts) has no card to put a
+        verdict on, so it gets none."""
         dd = self.cfg.drilldown
         job = json.loads(episode["labels"]).get("job", "")
         if episode["alertname"] not in dd.alerts or not drilldown_enabled(dd) or not job:
+            return False
+        if not routes(self.cfg, episode["level"]):
             return False
         if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is not None:
             return False

@@ -97,6 +97,10 @@ def test_app_channel_pages_once_and_updates_the_card_in_place(tmp_path: Path, fe
     assert resolved["header"]["template"] == "green" and "**Resolved** after 5m" in text(resolved)
     assert feishu.rejections == []
     assert [r["state"] for r in bot.store.query("SELECT state FROM outbox")] == ["sent"] * 4
+    # the report-only per-rank alerts have no card to put a verdict on: one drill-down, for the job's
+    assert [r["alertname"] for r in bot.store.query("SELECT alertname FROM drilldowns")] == [
+        "MegatraceJobHang"
+    ]
 
 
 def test_group_bot_gets_one_reply_per_change(tmp_path: Path, feishu: FeishuServer) -> None:
