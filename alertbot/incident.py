@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from megatrace.alertbot.store import Store
@@ -37,6 +37,8 @@ class Culprit:
 
 @dataclasses.dataclass
 class Incident:
+    """An incident as its card shows it."""
+
     job: str
     level: str
     kind: str  # "hang" or "slow"
@@ -111,7 +113,9 @@ def culprit_of(
     return by_rules
 
 
-def load(store: Store, incident_id: int, placement: Any = None) -> Incident | None:
+def load(
+    store: Store, incident_id: int, placement: Callable[[dict[str, Any]], str] | None = None
+) -> Incident | None:
     """The incident as its card shows it; `placement(suspect) -> str` describes where a suspect runs."""
     row = store.incident(incident_id)
     if row is None:

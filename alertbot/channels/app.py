@@ -46,8 +46,7 @@ class AppChannel(Channel):
             return SendResult("fatal", "the Feishu app is not configured")
         if not parent["message_id"]:
             return SendResult("fatal", "the card to update has no message id")
-        result = ctx.app.update_message(parent["message_id"], message["card"])
-        return SendResult(result.outcome, result.detail, result.retry_after, {}, result.code, result.body)
+        return ctx.app.update_message(parent["message_id"], message["card"])
 
     def send_file(self, ctx: Context, row: Any, message: dict[str, Any]) -> SendResult:
         """Weekly report: upload the workbook once, then post it as a file message."""
