@@ -33,6 +33,8 @@ class Culprit:
     sentence: str = ""
     confidence: float | None = None
     where: str = ""
+    # `node` is only the host part of an exporter's scrape address: a node name found elsewhere wins.
+    node_is_address: bool = False
 
 
 @dataclasses.dataclass
@@ -68,7 +70,10 @@ def from_labels(alertname: str, labels: dict[str, str]) -> Culprit | None:
     slow-rank alert's own rank."""
     if alertname in SLOW_ALERTS and known(labels.get("rank")):
         rank = labels["rank"]
-        return Culprit(rank, node_of(labels), "slow", SEEN["slow"].format(rank=rank))
+        named = labels.get("node") or labels.get("hostname")
+        return Culprit(
+            rank, node_of(labels), "slow", SEEN["slow"].format(rank=rank), node_is_address=not named
+        )
     rank = known(labels.get("culprit_rank"))
     if not rank:
         return None
@@ -104,9 +109,10 @@ def culprit_of(
     if by_rules is None:
         return by_analyzer
     if by_analyzer is not None and by_analyzer.rank == by_rules.rank:
+        address = by_rules.node_is_address or not by_rules.node
         return dataclasses.replace(
             by_analyzer,
-            node=by_rules.node or by_analyzer.node,
+            node=by_analyzer.node if address and by_analyzer.node else by_rules.node,
             seen=by_rules.seen or by_analyzer.seen,
             sentence=by_analyzer.sentence or by_rules.sentence,
         )

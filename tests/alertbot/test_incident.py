@@ -193,3 +193,20 @@ def test_incidents_whose_card_was_a_storm_close_and_a_new_hang_opens_a_new_one(t
     assert [row["closed_at"] for row in bot.store.query("SELECT * FROM incidents")] == [T0 + 60] * 3
     bot.receive(webhook(alert(job="llm-2", rank="0", starts_at=T0 + 600)), T0 + 600)
     assert len(bot.store.query("SELECT * FROM incidents")) == 4
+
+
+def test_a_node_name_from_the_verdict_replaces_a_scrape_address(tmp_path: Path) -> None:
+    settings, gate = drilldown(tmp_path, wait=300)
+    gate.touch()
+    bot = Bot(config(tmp_path, drilldown=settings))
+    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
+    slow = alert("MegatraceSlowRank", severity="P1", job="llm-7", rank="5", instance="10.0.0.7:9450")
+    bot.receive(webhook(slow), T0)
+    assert bot.delivery.deliver_due() == 1  # the rank is in the alert: no wait
+    runner.submit_pending()
+    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    bot.drain()
+    first, update = bot.console()
+    assert title(first["card"]) == "[P1] FIRING: rank 5 is slow on 10.0.0.7 — job llm-7"
+    assert title(update["card"]) == "[P1] FIRING: rank 5 is slow on gpu-9 — job llm-7"
+    runner.shutdown()
