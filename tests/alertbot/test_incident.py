@@ -210,3 +210,27 @@ def test_a_node_name_from_the_verdict_replaces_a_scrape_address(tmp_path: Path) 
     assert title(first["card"]) == "[P1] FIRING: rank 5 is slow on 10.0.0.7 — job llm-7"
     assert title(update["card"]) == "[P1] FIRING: rank 5 is slow on gpu-9 — job llm-7"
     runner.shutdown()
+
+
+def test_a_verdict_after_the_card_was_frozen_comes_as_its_update(
+    tmp_path: Path, feishu: FeishuServer
+) -> None:
+    """The card's first attempt failed (its content is frozen, it waits to be retried) when the
+    verdict comes: the verdict is not lost, it updates the card once the card is through."""
+    settings, gate = drilldown(tmp_path, wait=0.0)
+    gate.touch()
+    app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret, "chats": {"P0": "oc_p0"}}
+    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "app": app}, drilldown=settings))
+    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
+    feishu.fail("message", "server_error")
+    bot.receive(webhook(job_hang()), T0)
+    assert bot.delivery.deliver_due() == 1
+    assert bot.store.query("SELECT state FROM outbox")[0]["state"] == "pending"  # to be retried
+    (row,) = bot.store.pending_drilldowns()
+    runner.run(row["id"])
+    bot.drain()
+    (message,) = feishu.messages("oc_p0")
+    assert title(message.body["content"]) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
+    (update,) = feishu.select("update", message.message_id)
+    assert title(update.body["card"]) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
+    runner.shutdown()
