@@ -46,6 +46,11 @@ def episode_ref(episode: Any) -> str:
     return f"{episode['fingerprint']}@{episode['starts_at']}"
 
 
+def storm_ref(storm_id: int, opened_at: float) -> str:
+    """What names a storm's notifications across databases: its id and when it opened."""
+    return f"s{storm_id}@{opened_at}"
+
+
 def idempotency_key(kind: str, ref: str, channel: str, destination: str) -> str:
     """Stable key (≤ 50 chars) for one notification to one destination; doubles as Feishu's `uuid`."""
     digest = hashlib.sha256(f"{kind}|{ref}|{channel}|{destination}".encode()).hexdigest()
@@ -142,7 +147,9 @@ class Pipeline:
         if storm is not None:
             return int(storm["id"])
         storm_id = self.store.create_storm(episode["alertname"], episode["level"], now)
-        self.enqueue("storm", f"s{storm_id}", episode["level"], now, now + d.storm_hold_s, storm_id=storm_id)
+        self.enqueue(
+            "storm", storm_ref(storm_id, now), episode["level"], now, now + d.storm_hold_s, storm_id=storm_id
+        )
         self.metrics.storms.inc()
         log.warning(
             "alert storm: %s at %s, collapsing into one summary", episode["alertname"], episode["level"]
@@ -226,11 +233,11 @@ class Pipeline:
         resolve queues a final "all recovered" summary. The refs make both idempotent."""
         summaries = self.store.outbox_for(storm_id=storm_id, kind="storm-resolved")
         if not summaries:
-            ref = f"s{storm_id}-resolved"
+            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-resolved"
         elif any(row["payload"] is not None for row in summaries) and not any(
             member["status"] == "firing" for member in self.store.storm_members(storm_id)
         ):
-            ref = f"s{storm_id}-all-resolved"
+            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-all-resolved"
         else:
             return
         not_before = now + self.cfg.dedupe.storm_resolve_hold_s

@@ -158,13 +158,17 @@ def test_a_later_alert_naming_the_culprit_updates_the_card(tmp_path: Path) -> No
 
 
 def test_refs_differ_across_runs_of_a_fresh_bot(tmp_path: Path) -> None:
+    """A fresh database numbers its alerts and storms from 1 again: the refs (Feishu's `uuid`, which
+    Feishu sends once an hour) must not repeat, or the second run's cards would be dropped."""
     refs = []
-    for run, start in enumerate((T0, T0 + 3600)):
-        bot = Bot(config(tmp_path / str(run)))
-        bot.receive(webhook(alert(job="llm-7", rank="0", starts_at=start)), start)
+    for run, start in enumerate((T0, T0 + 600)):
+        bot = Bot(config(tmp_path / str(run), dedupe={"storm_threshold": 1, "storm_hold_s": 0}))
+        hangs = [alert(job=f"llm-{j}", rank="0", starts_at=start) for j in range(3)]
+        bot.receive(webhook(*hangs), start)
         bot.drain()
-        refs.append(bot.console()[0]["card"]["elements"][-1]["elements"][0]["content"])
-    assert refs[0] != refs[1]
+        refs.append([line["card"]["elements"][-1]["elements"][0]["content"] for line in bot.console()])
+    assert [line.split()[0] for line in refs[0]] == ["megatrace"] * 2  # a card, then the storm's
+    assert not set(refs[0]) & set(refs[1])
 
 
 def test_p3_is_never_phoned(tmp_path: Path, feishu: FeishuServer) -> None:
