@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megatrace.alertbot.drilldown import DrilldownRunner
+from megatrace.alertbot.report import build_report
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.feishu_server import FeishuServer
 
@@ -238,3 +239,23 @@ def test_a_verdict_after_the_card_was_frozen_comes_as_its_update(
     (update,) = feishu.select("update", message.message_id)
     assert title(update.body["card"]) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
     runner.shutdown()
+
+
+def test_incidents_on_postgresql(tmp_path: Path, pg_url: str) -> None:
+    """The same card and workbook from the PostgreSQL store that replicas share."""
+    bot = Bot(config(tmp_path, store={"url": pg_url}))
+    bot.receive(webhook(alert(job="llm-7", rank="0")), T0)
+    bot.drain()
+    culprit = {"culprit_rank": "3", "culprit_node": "gpu-7", "culprit_seen": "lagging"}
+    bot.receive(webhook(job_hang(**culprit)), T0 + 5)
+    bot.drain()
+    bot.receive(webhook(alert(job="llm-7", rank="0", status="resolved", ends_at=T0 + 60)), T0 + 60)
+    bot.receive(webhook(job_hang("resolved", **culprit)), T0 + 300)
+    bot.drain()
+    assert [(line["kind"], title(line["card"])) for line in bot.console()] == [
+        ("firing", "[P0] FIRING: job llm-7 hangs — culprit not known yet"),
+        ("verdict", "[P0] FIRING: rank 3 hung on gpu-7 — job llm-7"),
+        ("resolved", "[P0] RESOLVED: rank 3 hung on gpu-7 — job llm-7"),
+    ]
+    summary = build_report(bot.store, T0 - 60, T0 + 3600, tmp_path / "week.xlsx")
+    assert summary["total"] == 1
