@@ -148,12 +148,13 @@ class CardRenderer:
         oncall: dict[str, Any] | None = None,
         incident: Incident | None = None,
     ) -> dict:
-        """`oncall` (app cards of firing alerts when card actions are on): the claim and silence
+        """`kind`: firing, repeat, resolved, or verdict (a reply that follows a card up with its
+        culprit). `oncall` (app cards of firing alerts when card actions are on): the claim and silence
         status line, the action buttons and the note form's value. `incident`: the card of a job's
         hang or slow incident, naming its culprit, what was seen and what to do first."""
         labels = json.loads(row["labels"])
         annotations = json.loads(row["annotations"])
-        state = "RESOLVED" if kind == "resolved" else "FIRING"
+        state = {"resolved": "RESOLVED", "verdict": "VERDICT"}.get(kind, "FIRING")
         where = ", ".join(f"{k} {labels[k]}" for k in WHERE_LABELS if k in labels)
         headline = annotations.get("summary") or row["alertname"]
         ended = row["ends_at"]

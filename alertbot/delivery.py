@@ -116,6 +116,8 @@ class Delivery:
         if is_update(row):  # the card's own ref where it is replaced; a reply's own, naming the card's
             card_ref = self.store.outbox_row(row["parent_id"])["idem_key"]
             ref = card_ref if channel.edits else f"{ref} (follows {card_ref})"
+            if not channel.edits and shown == "firing":
+                shown = "verdict"  # a reply: its title says it follows up, not that something new fires
         card = self.renderer.alert_card(
             episode, shown, ref, self.cfg.dedupe.flap_hold_s, now, oncall, incident
         )

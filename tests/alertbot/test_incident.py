@@ -118,7 +118,7 @@ def test_group_bot_gets_one_reply_per_change(tmp_path: Path, feishu: FeishuServe
     posts = [title(p.body["card"]) for p in feishu.bot_posts(hook)]
     assert posts == [
         "[P0] FIRING: job llm-7 hangs — culprit not known yet",
-        "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7",
+        "[P0] VERDICT: rank 5 hung on gpu-9 — job llm-7",
         "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7",
     ]
     first, *replies = (
