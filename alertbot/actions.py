@@ -115,8 +115,9 @@ class Actions:
                         {
                             "kind": "card-update",
                             "episode_id": episode["id"],
-                            "channel": "app-update",
-                            "destination": card["message_id"],
+                            "parent_id": card["id"],
+                            "channel": "app",
+                            "destination": card["destination"],
                             "level": episode["level"],
                             "idem_key": f"mt-update-{card['id']}-{action_id}",
                             "created_at": now,

@@ -20,11 +20,14 @@ from zoneinfo import ZoneInfo
 import jinja2
 
 from megatrace.alertbot.config import LinksConfig
+from megatrace.alertbot.incident import Incident, next_step, pending_text
+from megatrace.alertbot.incident import headline as incident_headline
 
 log = logging.getLogger(__name__)
 
 COLOURS = {"P0": "red", "P1": "orange", "P2": "yellow", "P3": "blue"}
-HIDDEN_LABELS = frozenset({"alertname", "severity"})
+# Not listed among a card's labels: the title and the culprit line say them in words.
+HIDDEN_LABELS = frozenset({"alertname", "severity", "culprit_rank", "culprit_node", "culprit_seen"})
 CARD_LIMIT = 19 * 1024  # leaves room for the message envelope and signature within 20 KB
 MAX_URL = 1500
 WHERE_LABELS = ("job", "rank", "instance", "node", "gpu", "device")
@@ -143,29 +146,37 @@ class CardRenderer:
         flap_hold_s: float,
         now: float,
         oncall: dict[str, Any] | None = None,
+        incident: Incident | None = None,
     ) -> dict:
-        """`oncall` (app cards of firing alerts when card actions are on): the claim and silence
-        status line, the action buttons and the note form's value."""
+        """`kind`: firing, repeat, resolved, or verdict (a reply that follows a card up with its
+        culprit). `oncall` (app cards of firing alerts when card actions are on): the claim and silence
+        status line, the action buttons and the note form's value. `incident`: the card of a job's
+        hang or slow incident, naming its culprit, what was seen and what to do first."""
         labels = json.loads(row["labels"])
         annotations = json.loads(row["annotations"])
-        state = "RESOLVED" if kind == "resolved" else "FIRING"
+        state = {"resolved": "RESOLVED", "verdict": "VERDICT"}.get(kind, "FIRING")
         where = ", ".join(f"{k} {labels[k]}" for k in WHERE_LABELS if k in labels)
+        headline = annotations.get("summary") or row["alertname"]
+        ended = row["ends_at"]
+        if incident is not None:
+            headline = incident_headline(incident)
+            node = incident.culprit.node if incident.culprit else ""
+            where = f"job {incident.job}" + (f", node {node}" if node else "")
+            ended = incident.ended if kind == "resolved" else None
 
         def context(budget: int) -> dict[str, Any]:
             return {
                 "kind": kind,
                 "level": row["level"],
                 "colour": "green" if kind == "resolved" else COLOURS[row["level"]],
-                "title": f"[{row['level']}] {state}: {annotations.get('summary') or row['alertname']}"[
-                    :budget
-                ],
+                "title": f"[{row['level']}] {state}: {headline}"[:budget],
                 "alertname": row["alertname"],
                 "summary": annotations.get("summary", "")[:budget],
                 "description": annotations.get("description", "")[:budget],
                 "where": where[:budget] or "(no location labels)",
                 "since": self.when(row["starts_at"]),
-                "ended": self.when(row["ends_at"]),
-                "duration": human_duration((row["ends_at"] or now) - row["starts_at"]),
+                "ended": self.when(ended),
+                "duration": human_duration((ended or now) - row["starts_at"]),
                 "recurrence": row["recurrence"],
                 "recent": row["recent"],
                 "escalated": bool(row["escalated"]),
@@ -178,6 +189,7 @@ class CardRenderer:
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
                 "oncall": oncall,
+                "incident": incident_context(incident, budget) if incident is not None else None,
             }
 
         return self.fit("card_alert.json.j2", context)
@@ -236,44 +248,34 @@ class CardRenderer:
 
         return self.fit("card_storm_resolved.json.j2", context)
 
-    def drilldown_card(self, job: str, alertname: str, level: str, result: dict[str, Any], ref: str) -> dict:
-        suspects = [s for s in result.get("suspects", []) if isinstance(s, dict)]
-        verdict = result.get("verdict", "")
-        headline = f"rank {suspects[0].get('rank')}" if suspects and verdict != "healthy" else verdict
-        if result.get("error"):
-            headline = "drill-down failed"
-
-        def context(budget: int) -> dict[str, Any]:
-            return {
-                "title": f"[{level}] DRILL-DOWN {alertname} job {job}: {headline}"[:200],
-                "colour": COLOURS[level],
-                "job": job,
-                "verdict": verdict,
-                "error": str(result.get("error", ""))[:budget],
-                "suspects": [
-                    {
-                        "rank": s.get("rank"),
-                        "host": s.get("host", ""),
-                        "kind": s.get("kind", ""),
-                        "confidence": float(s.get("confidence", 0) or 0),
-                        "evidence": str(s.get("evidence", ""))[:budget],
-                        "where": placement_text(s)[:budget],
-                    }
-                    for s in suspects[: max(1, budget // 200)]
-                ],
-                "no_data": [
-                    f"{rank_list(item.get('ranks', []))}: {item.get('reason', '')}"[:budget]
-                    for item in result.get("no_data", [])
-                    if isinstance(item, dict)
-                ][: max(2, budget // 200)],
-                "hints": [str(h)[:budget] for h in result.get("hints", [])][: max(2, budget // 100)],
-                "ref": ref,
-            }
-
-        return self.fit("card_drilldown.json.j2", context)
-
     def report_card(self, summary: dict[str, Any]) -> dict:
         return self.render("card_report.json.j2", summary)
+
+
+def incident_context(incident: Incident, budget: int) -> dict[str, Any]:
+    """The incident part of a card: culprit, what was seen, what to do first, the drill-down's notes."""
+    culprit = incident.culprit
+    report = incident.verdict
+    return {
+        "culprit": None
+        if culprit is None
+        else {
+            "rank": culprit.rank,
+            "node": culprit.node,
+            "sentence": culprit.sentence[:budget],
+            "confidence": None if culprit.confidence is None else round(culprit.confidence * 100),
+            "where": culprit.where[:budget],
+        },
+        "pending": pending_text(incident)[:budget],
+        "next_step": next_step(incident),
+        "others": rank_list(incident.others) if incident.others else "",
+        "no_data": [
+            f"{rank_list(item.get('ranks', []))}: {item.get('reason', '')}"[:budget]
+            for item in report.get("no_data", [])
+            if isinstance(item, dict)
+        ][: max(2, budget // 200)],
+        "hints": [str(h)[:budget] for h in report.get("hints", [])][: max(2, budget // 100)],
+    }
 
 
 def placement_text(suspect: dict[str, Any]) -> str:

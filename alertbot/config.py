@@ -169,8 +169,14 @@ DRILLDOWN_SOURCES = ("directory", "agents")
 
 @dataclasses.dataclass
 class DrilldownConfig:
+    # Alerts that get a drill-down; a job's alerts of these kinds form one incident (one card) per level.
     alerts: list[str] = field(
-        default_factory=lambda: ["MegatraceRankHang", "MegatraceJobStalled", "MegatraceSlowRank"]
+        default_factory=lambda: [
+            "MegatraceJobHang",
+            "MegatraceRankHang",
+            "MegatraceJobStalled",
+            "MegatraceSlowRank",
+        ]
     )
     # "directory": the job's folder under trace_roots on this machine (one machine, `make demo`);
     # "agents": fetched from the node agents holding the job's ranks (a cluster).
@@ -183,6 +189,8 @@ class DrilldownConfig:
     hint_lookback_s: float = 900.0
     rerun_after_s: float = 600.0
     workers: int = 2
+    # How long the first card of an incident waits for the drill-down's verdict (0: never waits).
+    verdict_wait_s: float = 5.0
 
 
 @dataclasses.dataclass
@@ -291,6 +299,8 @@ def drilldown_problems(drill: DrilldownConfig) -> list[str]:
     problems: list[str] = []
     if drill.source not in DRILLDOWN_SOURCES:
         problems.append(f"key 'drilldown.source': expected one of {', '.join(DRILLDOWN_SOURCES)}")
+    if not 0 <= drill.verdict_wait_s <= 300:
+        problems.append("key 'drilldown.verdict_wait_s': must be between 0 and 300")
     if drill.source == "agents":
         if not drill.prometheus_url:
             problems.append(

@@ -1,10 +1,12 @@
 """Delivery of queued notifications: rate-limit → render (frozen on first attempt) → send → retry with
-backoff and jitter, or dead-letter. Also the sheet archive flush and recovery of sends a crash left
-in doubt.
+backoff and jitter, or dead-letter. Also recovery of sends a crash left in doubt, and the sheet
+archive flush. How each channel sends, updates, limits and recovers is its module's business
+(`megatrace.alertbot.channels`); this loop only goes through `CHANNELS`.
 
-Crash safety: an attempt is committed as started before its request leaves. On restart, app
-messages are simply re-sent (Feishu drops a repeated `uuid`); group-bot posts are looked up in the
-chat's history through the app when the bot's `chat_id` is known, and re-sent only when absent.
+Crash safety: an attempt is committed as started before its request leaves; after a crash each
+channel says whether the send in doubt arrived, is re-sent, or is abandoned (calls are never
+dialed twice). An update of a sent card (a verdict, a resolve, an on-call action) waits for that
+card, and is dropped when the card was never sent.
 """
 
 from __future__ import annotations
@@ -13,54 +15,34 @@ import dataclasses
 import json
 import logging
 import random
-import re
-import sys
-import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import requests
 
 from megatrace.alertbot.actions import oncall_context
-from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.cards import CardRenderer, placement_text
+from megatrace.alertbot.channels import CHANNELS, Channel, ConsoleSink, Context
+from megatrace.alertbot.channels.sheet import flush_archive
 from megatrace.alertbot.config import AlertbotConfig
-from megatrace.alertbot.feishu import QUOTA_EXHAUSTED, FeishuApp, SendResult, post_group_bot
+from megatrace.alertbot.feishu import FeishuApp, SendResult
+from megatrace.alertbot.incident import load as load_incident
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import first_call
 from megatrace.alertbot.ratelimit import RateLimiter
-from megatrace.alertbot.store import Store
+from megatrace.alertbot.store import OPEN_STATES, Store
 
 log = logging.getLogger(__name__)
 
-URGENT_ORDER = ("urgent_phone", "urgent_sms", "urgent_app")
 PHONED_KINDS = ("firing", "storm")
-SECOND, MINUTE = 1.25, 61.0
-REF = re.compile(r"megatrace ref [\w-]+")
+NEVER_PHONED = ("P3",)
+UPDATE_KINDS = ("card-update", "verdict", "resolved")
 
 
-class ConsoleSink:
-    """Writes each message as one JSON line (what would be sent, to whom) to a file or stdout."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-
-    def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(record, ensure_ascii=False, sort_keys=True)
-        with self._lock:
-            if self.path in ("", "-"):
-                self._emit(sys.stdout, line)
-            else:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-                with open(self.path, "a", encoding="utf-8") as handle:
-                    self._emit(handle, line)
-
-    @staticmethod
-    def _emit(stream: TextIO, line: str) -> None:
-        stream.write(line + "\n")
-        stream.flush()
+def is_update(row: Any) -> bool:
+    """Whether `row` shows a new state of a card sent before (its `parent_id`) rather than a message."""
+    return row["parent_id"] is not None and row["kind"] in UPDATE_KINDS
 
 
 def backoff(attempts: int, base: float, cap: float, retry_after: float | None, rng: random.Random) -> float:
@@ -86,116 +68,66 @@ class Delivery:
     owner: str = ""  # this replica, holding the lease of what it sends
     lease_s: float = 60.0
 
-    # -- what to send -------------------------------------------------------------------------------
+    @property
+    def context(self) -> Context:
+        return Context(self.cfg, self.store, self.app, self.console, self.session)
 
-    def limits(self, row: Any) -> list[tuple[str, float, float]]:
-        """Sliding windows for a row's destination, padded (SECOND, MINUTE) so that network jitter
-        cannot make Feishu count more requests in its window than it allows."""
-        d = self.cfg.delivery
-        if row["channel"] == "bot":
-            name = f"bot:{row['destination']}"
-            return [(name, d.bot_per_second, SECOND), (name, d.bot_per_minute, MINUTE)]
-        if row["channel"] in ("app", "urgent", "app-update"):
-            limits = [("app", d.app_per_second, SECOND), ("app", d.app_per_minute, MINUTE)]
-            if row["channel"] == "app":
-                limits.append((f"chat:{row['destination']}", d.chat_per_second, SECOND))
-            return limits
-        return []
+    @staticmethod
+    def channel(row: Any) -> Channel:
+        return CHANNELS[row["channel"]]
+
+    # -- what to send -------------------------------------------------------------------------------
 
     def render(self, row: Any, now: float) -> dict[str, Any] | None:
         """The message for a queued row (None: nothing to send any more)."""
         if row["payload"]:
             return json.loads(row["payload"])
-        kind = row["kind"]
+        kind, channel = row["kind"], self.channel(row)
         if kind == "storm":
             self.store.seal_storm(row["storm_id"], now)
             members = self.store.storm_members(row["storm_id"])
             storm = self.store.storm(row["storm_id"])
-            card = self.renderer.storm_card(storm, members, self.cfg.dedupe.storm_window_s, row["idem_key"])
-            return {"msg_type": "interactive", "card": card}
+            return channel.render(
+                self.renderer.storm_card(storm, members, self.cfg.dedupe.storm_window_s, row["idem_key"])
+            )
         if kind == "storm-resolved":
             storm = self.store.storm(row["storm_id"])
             if storm is None:
                 return None
             members = self.store.storm_members(row["storm_id"])
-            return {
-                "msg_type": "interactive",
-                "card": self.renderer.storm_resolved_card(storm, members, row["idem_key"], now),
-            }
+            return channel.render(self.renderer.storm_resolved_card(storm, members, row["idem_key"], now))
         episode = self.store.episode(row["episode_id"])
         if episode is None:
             return None
-        acting = self.cfg.feishu.callback.mode and row["channel"] in ("app", "app-update")
-        oncall = (
-            oncall_context(self.store, self.renderer, episode, now)
-            if acting and episode["status"] == "firing"
+        incident = (
+            load_incident(self.store, episode["incident_id"], placement_text)
+            if episode["incident_id"] is not None
             else None
         )
-        shown = "firing" if kind == "card-update" else kind
+        if incident is not None:  # the page as it was, or the incident's card in its current state
+            firing = kind in ("firing", "repeat") or not incident.closed
+            shown = kind if kind in ("firing", "repeat") else "firing" if firing else "resolved"
+        else:
+            firing = episode["status"] == "firing"
+            shown = "firing" if kind == "card-update" else kind
+        acting = self.cfg.feishu.callback.mode and channel.name == "app"
+        oncall = oncall_context(self.store, self.renderer, episode, now) if acting and firing else None
+        ref = row["idem_key"]
+        if is_update(row):  # the card's own ref where it is replaced; a reply's own, naming the card's
+            card_ref = self.store.outbox_row(row["parent_id"])["idem_key"]
+            ref = card_ref if channel.edits else f"{ref} (follows {card_ref})"
+            if not channel.edits and shown == "firing":
+                shown = "verdict"  # a reply: its title says it follows up, not that something new fires
         card = self.renderer.alert_card(
-            episode, shown, row["idem_key"], self.cfg.dedupe.flap_hold_s, now, oncall
+            episode, shown, ref, self.cfg.dedupe.flap_hold_s, now, oncall, incident
         )
-        return {"msg_type": "interactive", "card": card}
-
-    # -- how to send it -----------------------------------------------------------------------------
+        return channel.render(card)
 
     def send(self, row: Any, message: dict[str, Any]) -> SendResult:
-        channel = row["channel"]
-        if channel == "console":
-            self.console.write({"channel": "console", "level": row["level"], "kind": row["kind"], **message})
-            return SendResult("sent", "written to console")
-        if channel == "bot":
-            bot = self.cfg.feishu.group_bots[row["destination"]]
-            return post_group_bot(self.session, bot.webhook, bot.secret, message, self.cfg.feishu.timeout_s)
-        if self.app is None:
-            return SendResult("fatal", "the Feishu app is not configured")
-        if channel == "urgent":
-            return self.urgent(message)
-        if channel == "app-update":
-            return self.app.update_message(row["destination"], message["card"])
-        if message["msg_type"] == "file":
-            return self.send_file(row, message)
-        result = self.app.send_message(
-            row["destination"], message["msg_type"], message["card"], row["idem_key"]
-        )
-        if result.ok and not result.data.get("message_id"):
-            return SendResult("fatal", "Feishu answered without data.message_id")
-        return result
-
-    def send_file(self, row: Any, message: dict[str, Any]) -> SendResult:
-        """Weekly report: upload the workbook once, then post it as a file message."""
-        assert self.app is not None
-        if not message.get("file_key"):
-            uploaded = self.app.upload_file(Path(message["path"]))
-            if not uploaded.ok:
-                return uploaded
-            message["file_key"] = uploaded.data.get("file_key", "")
-            self.store.set_outbox(row["id"], payload=json.dumps(message, ensure_ascii=False))
-        return self.app.send_message(
-            row["destination"], "file", {"file_key": message["file_key"]}, row["idem_key"]
-        )
-
-    def urgent(self, message: dict[str, Any]) -> SendResult:
-        """Phone the people of this escalation step; when the paid quota is exhausted fall back to
-        SMS, then in-app."""
-        assert self.app is not None
-        users = list(message.get("users") or self.cfg.feishu.app.oncall)
-        for kind in URGENT_ORDER:
-            result = self.app.urgent(message["message_id"], kind, users)
-            if result.code == QUOTA_EXHAUSTED:
-                log.warning("Feishu %s quota exhausted; falling back", kind)
-                continue
-            if result.ok:
-                invalid = result.data.get("invalid_user_id_list") or []
-                if invalid:
-                    log.error("Feishu did not %s these on-call users (invalid ids): %s", kind, invalid)
-                reached = len(users) - len(invalid)
-                detail = f"{kind}: {reached} of {len(users)} reached; invalid {invalid}"
-                if not reached:
-                    return SendResult("fatal", detail)
-                return SendResult("sent", detail, data={"method": kind, "invalid": invalid})
-            return result
-        return SendResult("fatal", "phone, SMS and in-app urgent quota all exhausted")
+        channel = self.channel(row)
+        if is_update(row):
+            return channel.update(self.context, row, self.store.outbox_row(row["parent_id"]), message)
+        return channel.send(self.context, row, message)
 
     # -- the loop -------------------------------------------------------------------------------------
 
@@ -204,7 +136,7 @@ class Delivery:
         attempted = 0
         for row in self.store.due_outbox(time.time() if now is None else now, limit, only):
             current = time.time() if now is None else now
-            limits = self.limits(row)
+            limits = self.channel(row).limits(self.cfg, row)
             wait = self.limiter.acquire(limits, current)
             if wait > 0:
                 self.store.set_outbox(row["id"], not_before=current + wait)
@@ -214,30 +146,50 @@ class Delivery:
             attempted += 1
         return attempted
 
-    def attempt(self, row: Any, now: float) -> None:
-        if row["kind"] == "storm-resolved" and row["payload"] is None:
+    def held_back(self, row: Any, now: float) -> bool:
+        """Whether `row` must not go out now: deferred until what it follows went out, or dropped."""
+        if row["payload"] is not None:
+            return False
+        if row["kind"] == "storm-resolved":
             storm = self.store.storm(row["storm_id"])
             if storm is not None and storm["sealed_at"] is None:  # its firing summary goes first
                 self.store.set_outbox(row["id"], not_before=now + 1.0)
-                return
-        if row["kind"] == "firing" and row["payload"] is None:
+                return True
+        if row["kind"] == "firing":
             episode = self.store.episode(row["episode_id"])
             if episode is not None and episode["status"] == "resolved" and episode["flapping"]:
                 self.store.set_outbox(row["id"], state="suppressed", last_error="resolved while held back")
                 self.metrics.suppressed.inc()
+                return True
+        if is_update(row):
+            parent = self.store.outbox_row(row["parent_id"])
+            if parent is not None and parent["state"] in OPEN_STATES:  # the card goes first
+                self.store.set_outbox(row["id"], not_before=now + 1.0)
+                return True
+            if parent is None or parent["state"] != "sent":
+                self.store.set_outbox(row["id"], state="suppressed", last_error="its card was never sent")
+                self.metrics.suppressed.inc()
+                return True
+        return False
+
+    def attempt(self, row: Any, now: float) -> None:
+        """Render and claim in one transaction (what the card shows and whether it is frozen are
+        decided together: see `Pipeline.incident_changed`), then send outside it."""
+        with self.store.transaction():
+            if self.held_back(row, now):
                 return
-        try:
-            message = self.render(row, now)
-        except Exception as exc:  # a card that cannot be built must not stop the queue
-            log.exception("cannot render notification %s", row["id"])
-            message, error = None, f"render failed: {exc}"
-        else:
-            error = "its alert no longer exists"
-        if message is None:
-            self.store.set_outbox(row["id"], state="dead", last_error=error)
-            self.metrics.dead.labels(row["channel"]).inc()
-            return
-        attempt_id = self.store.begin_attempt(row["id"], now, message, self.owner, now + self.lease_s)
+            try:
+                message = self.render(row, now)
+            except Exception as exc:  # a card that cannot be built must not stop the queue
+                log.exception("cannot render notification %s", row["id"])
+                message, error = None, f"render failed: {exc}"
+            else:
+                error = "its alert no longer exists"
+            if message is None:
+                self.store.set_outbox(row["id"], state="dead", last_error=error)
+                self.metrics.dead.labels(row["channel"]).inc()
+                return
+            attempt_id = self.store.begin_attempt(row["id"], now, message, self.owner, now + self.lease_s)
         if attempt_id is None:
             return
         result = self.send(row, message)
@@ -279,9 +231,11 @@ class Delivery:
         )
 
     def after_sent(self, row: Any, message_id: str, now: float) -> None:
-        """A page sent through the app gets the on-call people phoned about it (escalation step 0,
-        recorded before the call is queued)."""
-        if row["channel"] != "app" or row["kind"] not in PHONED_KINDS or not message_id:
+        """A page sent through a channel that phones gets the on-call people phoned about it
+        (escalation step 0, recorded before the call is queued). P3 is never phoned."""
+        if not self.channel(row).phones or row["kind"] not in PHONED_KINDS or not message_id:
+            return
+        if row["level"] in NEVER_PHONED:
             return
         users = first_call(self.cfg, row["level"], now)
         if row["level"] not in self.cfg.feishu.app.phone_levels or not users:
@@ -308,72 +262,37 @@ class Delivery:
 
     # -- crash recovery -------------------------------------------------------------------------------
 
-    def posted_already(self, row: Any) -> bool:
-        """Whether a group-bot post left in doubt is in its chat (looked up through the app)."""
-        bot = self.cfg.feishu.group_bots.get(row["destination"])
-        if row["channel"] != "bot" or bot is None or not bot.chat_id or self.app is None:
-            return False
-        result = self.app.chat_messages(bot.chat_id, row["attempt_started"] - 60)
-        if not result.ok:
-            log.warning("cannot check chat history for in-doubt delivery %s: %s", row["id"], result.detail)
-            return False
-        found = REF.search(row["payload"] or "")
-        ref = found.group(0) if found else row["idem_key"]
-        return any(ref in json.dumps(item, ensure_ascii=False) for item in result.data.get("items", []))
-
     def recover(self, now: float | None = None, expired_only: bool = False) -> int:
         """Resolve sends a crash left in doubt (with `expired_only`, those whose sender's lease ran
-        out: another replica may still be sending the rest); returns how many were found. A phone
-        call in doubt is not dialed again: calls happen at most once per escalation step."""
+        out: another replica may still be sending the rest); returns how many were found."""
         rows = (
             self.store.in_doubt(time.time() if now is None else now)
             if expired_only
             else self.store.in_doubt()
         )
         for row in rows:
+            outcome = self.channel(row).after_crash(self.context, row)
             current = time.time() if now is None else now
-            if row["channel"] == "urgent":
+            if outcome == "abandon":
                 self.store.finish_attempt(
                     row["attempt_id"], current, "interrupted", "process stopped mid-call"
                 )
                 self.store.set_outbox(row["id"], state="in-doubt", last_error="call may have been placed")
-                log.error("phone call %s was in flight when its replica stopped; not dialed again", row["id"])
-                continue
-            if self.posted_already(row):
+            elif outcome == "sent":
                 self.store.finish_attempt(
                     row["attempt_id"], current, "sent", "found in chat history after restart"
                 )
                 self.store.set_outbox(row["id"], state="sent", sent_at=current)
                 self.metrics.sent.labels(row["channel"]).inc()
-                continue
-            if row["channel"] == "bot" and not self.cfg.feishu.group_bots[row["destination"]].chat_id:
-                log.warning(
-                    "delivery %s was in flight when the bot stopped; re-sending (may repeat)", row["id"]
+            else:
+                self.store.finish_attempt(
+                    row["attempt_id"], current, "interrupted", "process stopped mid-send"
                 )
-            self.store.finish_attempt(row["attempt_id"], current, "interrupted", "process stopped mid-send")
-            self.store.set_outbox(row["id"], state="pending", not_before=current)
+                self.store.set_outbox(row["id"], state="pending", not_before=current)
         return len(rows)
 
     # -- sheet archive --------------------------------------------------------------------------------
 
     def flush_archive(self) -> int:
         """Append pending archive rows to the Feishu sheet in batches; returns rows appended."""
-        sheet = self.cfg.feishu.sheet
-        if not sheet.spreadsheet_token or self.app is None:
-            return 0
-        appended = 0
-        while rows := self.store.pending_archive(sheet.batch_size):
-            ids = [r["id"] for r in rows]
-            self.store.set_archive(ids, "sending")
-            result = self.app.append_rows(
-                sheet.spreadsheet_token, sheet.sheet_id, [json.loads(r["row"]) for r in rows]
-            )
-            if not result.ok:
-                state = "pending" if result.outcome == "retry" else "dead"
-                self.store.set_archive(ids, state, result.detail)
-                log.error("sheet archive of %d rows failed (%s): %s", len(ids), state, result.detail)
-                return appended
-            self.store.set_archive(ids, "sent")
-            self.metrics.archived.inc(len(ids))
-            appended += len(ids)
-        return appended
+        return flush_archive(self.context, self.metrics)

@@ -1,8 +1,9 @@
 """Drill-down for hang and slow-rank alerts: run the analyzer on the job's trace data and ask
-Prometheus about the suspect's node; the verdict is sent as a follow-up message, so the alert itself
-is never delayed by it. The data comes, as ``drilldown.source`` says, from the job's folder under the
-configured roots on this machine, or from the node agents holding its ranks (`megatrace.alertbot.gather`);
-either way each suspect is named by node, host, local rank, GPU and (from the agents) pod and container."""
+Prometheus about the suspect's node. The verdict goes into the incident's card: the first card waits
+for it a bounded time (`drilldown.verdict_wait_s`), a card already out is updated. The data comes, as
+``drilldown.source`` says, from the job's folder under the configured roots on this machine, or from
+the node agents holding its ranks (`megatrace.alertbot.gather`); either way each suspect is named by
+node, host, local rank, GPU and (from the agents) pod and container."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from megatrace.alertbot.cards import CardRenderer
 from megatrace.alertbot.config import DrilldownConfig
 from megatrace.alertbot.gather import Gathered, GatherError, gather
 from megatrace.alertbot.metrics import BotMetrics
@@ -193,12 +193,11 @@ def no_data_summary(no_data: dict[int, str]) -> list[dict[str, Any]]:
 
 
 class DrilldownRunner:
-    """Runs stored drill-down requests in worker threads and queues their follow-up messages."""
+    """Runs stored drill-down requests in worker threads and puts each verdict on its incident's card."""
 
     def __init__(
         self,
         pipeline: Pipeline,
-        renderer: CardRenderer,
         cfg: DrilldownConfig,
         metrics: BotMetrics,
         wake: Callable[[], None] = lambda: None,
@@ -206,7 +205,6 @@ class DrilldownRunner:
         self.wake = wake
         self.pipeline = pipeline
         self.store = pipeline.store
-        self.renderer = renderer
         self.cfg = cfg
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=max(1, cfg.workers), thread_name_prefix="drilldown")
@@ -254,25 +252,16 @@ class DrilldownRunner:
                 }
             self.metrics.drilldowns.labels("error" if "error" in result else "done").inc()
             episode = self.store.episode(row["episode_id"])
-            ref_key = f"d{drilldown_id}"
+            now = time.time()
             with self.store.transaction():
                 self.store.set_drilldown(
-                    drilldown_id, state="done", result=json.dumps(result), finished_at=time.time()
+                    drilldown_id, state="done", result=json.dumps(result), finished_at=now
                 )
-                if episode is not None:
-                    card = self.renderer.drilldown_card(
-                        row["job"], row["alertname"], episode["level"], result, ref_key
+                if episode is not None and episode["incident_id"] is not None:
+                    self.store.set_incident(
+                        episode["incident_id"], verdict=json.dumps(result), verdict_at=now
                     )
-                    payload = json.dumps({"msg_type": "interactive", "card": card}, ensure_ascii=False)
-                    self.pipeline.enqueue(
-                        "drilldown",
-                        ref_key,
-                        episode["level"],
-                        time.time(),
-                        episode_id=episode["id"],
-                        drilldown_id=drilldown_id,
-                        payload=payload,
-                    )
+                    self.pipeline.incident_changed(episode["incident_id"], now, f"verdict@{drilldown_id}")
         except Exception:
             log.exception("drill-down %s failed", drilldown_id)
             self.metrics.drilldowns.labels("crashed").inc()

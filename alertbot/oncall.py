@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from megatrace.alertbot.config import AlertbotConfig, OncallConfig, Person, parse_time
-from megatrace.alertbot.pipeline import Pipeline
+from megatrace.alertbot.pipeline import Pipeline, episode_ref
 from megatrace.alertbot.store import Store
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Escalator:
         self.store.add_action(now, SYSTEM, SYSTEM, "raise", episode["id"], detail, "escalation")
         self.pipeline.archive(dict(episode) | {"level": level}, f"raised to {level} (unclaimed)", now)
         self.pipeline.enqueue(
-            "firing", f"{episode['id']}-{level}", level, now, DUE_AT_ONCE, episode_id=episode["id"]
+            "firing", f"{episode_ref(episode)}-{level}", level, now, DUE_AT_ONCE, episode_id=episode["id"]
         )
         log.warning("alert %s (%s): %s", episode["id"], episode["alertname"], detail)
         return 1

@@ -14,8 +14,10 @@ import json
 import logging
 from typing import Any
 
-from megatrace.alertbot.config import AlertbotConfig, app_configured, drilldown_enabled
+from megatrace.alertbot.channels import routes
+from megatrace.alertbot.config import AlertbotConfig, drilldown_enabled
 from megatrace.alertbot.grading import PolicyRule, grade
+from megatrace.alertbot.incident import from_labels
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_webhook
 from megatrace.alertbot.store import Store
@@ -38,22 +40,21 @@ ARCHIVE_COLUMNS = (
 )
 
 
+def episode_ref(episode: Any) -> str:
+    """What names an episode's notifications across databases (so the card's ref, and Feishu's
+    `uuid`, never repeat for another alert after the bot's state was reset): its identity."""
+    return f"{episode['fingerprint']}@{episode['starts_at']}"
+
+
+def storm_ref(storm_id: int, opened_at: float) -> str:
+    """What names a storm's notifications across databases: its id and when it opened."""
+    return f"s{storm_id}@{opened_at}"
+
+
 def idempotency_key(kind: str, ref: str, channel: str, destination: str) -> str:
     """Stable key (≤ 50 chars) for one notification to one destination; doubles as Feishu's `uuid`."""
     digest = hashlib.sha256(f"{kind}|{ref}|{channel}|{destination}".encode()).hexdigest()
     return f"mt-{digest[:40]}"
-
-
-def destinations(cfg: AlertbotConfig, level: str) -> list[tuple[str, str]]:
-    """Channels for a level: its group bot, its app chat, or the console when neither exists."""
-    if level in cfg.delivery.report_only_levels:
-        return []
-    found = []
-    if level in cfg.feishu.group_bots:
-        found.append(("bot", level))
-    if app_configured(cfg) and level in cfg.feishu.app.chats:
-        found.append(("app", cfg.feishu.app.chats[level]))
-    return found or [("console", level)]
 
 
 @dataclasses.dataclass
@@ -68,7 +69,7 @@ class Pipeline:
     ) -> int:
         """Queue notification `kind` for every destination of `level`; returns how many were queued."""
         queued = 0
-        for channel, destination in destinations(self.cfg, level):
+        for channel, destination in routes(self.cfg, level):
             row = {
                 "kind": kind,
                 "channel": channel,
@@ -137,7 +138,7 @@ class Pipeline:
     def _storm_for(self, episode: dict[str, Any], now: float) -> int | None:
         """The storm this new firing episode joins, or None when it is notified on its own."""
         d = self.cfg.dedupe
-        if d.storm_threshold <= 0 or not destinations(self.cfg, episode["level"]):
+        if d.storm_threshold <= 0 or not routes(self.cfg, episode["level"]):
             return None
         others = self.store.count_new_of_kind(episode["alertname"], episode["level"], now - d.storm_window_s)
         if others - 1 < d.storm_threshold:
@@ -146,7 +147,9 @@ class Pipeline:
         if storm is not None:
             return int(storm["id"])
         storm_id = self.store.create_storm(episode["alertname"], episode["level"], now)
-        self.enqueue("storm", f"s{storm_id}", episode["level"], now, now + d.storm_hold_s, storm_id=storm_id)
+        self.enqueue(
+            "storm", storm_ref(storm_id, now), episode["level"], now, now + d.storm_hold_s, storm_id=storm_id
+        )
         self.metrics.storms.inc()
         log.warning(
             "alert storm: %s at %s, collapsing into one summary", episode["alertname"], episode["level"]
@@ -176,16 +179,21 @@ class Pipeline:
             return
         episode = self._new_episode(alert, external_url, now)
         self.archive(episode, "firing", now)
+        requested = self._request_drilldown(episode, now)
+        incident = self._incident_for(episode, now)
+        if incident is not None and incident["lead_episode_id"] != episode["id"]:
+            return  # its incident's card is already out or queued
         storm_id = self._storm_for(episode, now)
         if storm_id is not None:
             self.store.update_episode(episode["id"], storm_id=storm_id, last_notified=now)
-        else:
-            hold = self.cfg.dedupe.flap_hold_s if episode["flapping"] else 0.0
-            if self.enqueue(
-                "firing", str(episode["id"]), episode["level"], now, now + hold, episode_id=episode["id"]
-            ):
-                self.store.update_episode(episode["id"], last_notified=now)
-        self._request_drilldown(episode, now)
+            return
+        hold = self.cfg.dedupe.flap_hold_s if episode["flapping"] else 0.0
+        if incident is not None and requested and from_labels(alert.name, alert.labels) is None:
+            hold = max(hold, self.cfg.drilldown.verdict_wait_s)  # the verdict may make it into the card
+        if self.enqueue(
+            "firing", episode_ref(episode), episode["level"], now, now + hold, episode_id=episode["id"]
+        ):
+            self.store.update_episode(episode["id"], last_notified=now)
 
     def _resolved(self, alert: Alert, external_url: str, now: float) -> None:
         existing = self.store.find_episode(alert.fingerprint, alert.starts_at)
@@ -193,7 +201,9 @@ class Pipeline:
             episode = self._new_episode(alert, external_url, now)
             self.archive(episode, "resolved", now)
             if not episode["flapping"]:
-                self.enqueue("resolved", str(episode["id"]), episode["level"], now, episode_id=episode["id"])
+                self.enqueue(
+                    "resolved", episode_ref(episode), episode["level"], now, episode_id=episode["id"]
+                )
             return
         if existing["status"] == "resolved":
             self.store.update_episode(existing["id"], last_seen=now, duplicates=existing["duplicates"] + 1)
@@ -209,10 +219,12 @@ class Pipeline:
         for row in held:
             self.store.set_outbox(row["id"], state="suppressed", last_error="resolved before it was sent")
             self.metrics.suppressed.inc()
+        if existing["incident_id"] is not None:  # whether its card went out alone or in a storm
+            self._incident_member_resolved(existing["incident_id"], now)
         if existing["storm_id"] is not None:
             self._storm_member_resolved(existing["storm_id"], existing["level"], now)
-        elif existing["last_notified"] is not None and not held:
-            self.enqueue("resolved", str(existing["id"]), existing["level"], now, episode_id=existing["id"])
+        elif existing["incident_id"] is None and existing["last_notified"] is not None and not held:
+            self.enqueue("resolved", episode_ref(existing), existing["level"], now, episode_id=existing["id"])
 
     def _storm_member_resolved(self, storm_id: int, level: str, now: float) -> None:
         """A storm gets one resolved summary, queued when its first member resolves and sent
@@ -221,24 +233,92 @@ class Pipeline:
         resolve queues a final "all recovered" summary. The refs make both idempotent."""
         summaries = self.store.outbox_for(storm_id=storm_id, kind="storm-resolved")
         if not summaries:
-            ref = f"s{storm_id}-resolved"
+            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-resolved"
         elif any(row["payload"] is not None for row in summaries) and not any(
             member["status"] == "firing" for member in self.store.storm_members(storm_id)
         ):
-            ref = f"s{storm_id}-all-resolved"
+            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-all-resolved"
         else:
             return
         not_before = now + self.cfg.dedupe.storm_resolve_hold_s
         opened = [row["not_before"] for row in self.store.outbox_for(storm_id=storm_id, kind="storm")]
         self.enqueue("storm-resolved", ref, level, now, max([not_before, *opened]), storm_id=storm_id)
 
-    def _request_drilldown(self, episode: dict[str, Any], now: float) -> None:
+    def _request_drilldown(self, episode: dict[str, Any], now: float) -> bool:
+        """Ask for a drill-down of the episode's job; True when one was requested now. A level
+        nothing is sent for (report only, e.g. the per-rank P3 hang alerts) has no card to put a
+        verdict on, so it gets none."""
         dd = self.cfg.drilldown
         job = json.loads(episode["labels"]).get("job", "")
         if episode["alertname"] not in dd.alerts or not drilldown_enabled(dd) or not job:
+            return False
+        if not routes(self.cfg, episode["level"]):
+            return False
+        if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is not None:
+            return False
+        self.store.add_drilldown(job, episode["alertname"], episode["id"], now)
+        return True
+
+    # -- incidents: a job's hang and slow alerts at one level share one card ----------------------
+
+    def _incident_for(self, episode: dict[str, Any], now: float) -> Any:
+        """The incident a new firing episode leads or joins (None: not a hang or slow alert of a job).
+        A member naming a culprit the incident's card does not know yet updates that card."""
+        job = json.loads(episode["labels"]).get("job", "")
+        if episode["alertname"] not in self.cfg.drilldown.alerts or not job:
+            return None
+        incident = self.store.open_incident(job, episode["level"])
+        if incident is None:
+            incident_id = self.store.create_incident(job, episode["level"], episode["id"], now)
+        else:
+            incident_id = incident["id"]
+            members = self.store.incident_members(incident_id)
+            known = any(from_labels(m["alertname"], json.loads(m["labels"])) for m in members)
+            if not known and from_labels(episode["alertname"], json.loads(episode["labels"])) is not None:
+                self.incident_changed(incident_id, now, f"rules@{episode['id']}")
+        self.store.update_episode(episode["id"], incident_id=incident_id)
+        return self.store.incident(incident_id)
+
+    def _incident_member_resolved(self, incident_id: int, now: float) -> None:
+        """The incident closes when its last member resolves; its cards then show it resolved."""
+        if any(m["status"] == "firing" for m in self.store.incident_members(incident_id)):
             return
-        if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is None:
-            self.store.add_drilldown(job, episode["alertname"], episode["id"], now)
+        self.store.set_incident(incident_id, closed_at=now)
+        self.incident_changed(incident_id, now, "resolved")
+
+    def incident_changed(self, incident_id: int, now: float, why: str) -> None:
+        """Show an incident's new state (a verdict, a culprit, its resolve) on every card it has:
+        a card not rendered yet is sent now and shows the verdict; a rendered one gets one update,
+        in place where its channel edits, else as one reply; the resolve always follows the card.
+        Run it in the transaction that changed the incident: delivery renders and freezes a card in
+        one transaction, so exactly one of the two shows the change."""
+        incident = self.store.incident(incident_id)
+        if incident is None:
+            return
+        kind = "resolved" if why == "resolved" else "verdict"
+        lead = self.store.episode(incident["lead_episode_id"])
+        for card in self.store.outbox_for(episode_id=incident["lead_episode_id"], kind="firing"):
+            if card["state"] in ("dead", "suppressed"):
+                continue
+            if kind == "verdict" and card["state"] == "pending" and card["payload"] is None:
+                if lead is not None and not lead["flapping"]:
+                    self.store.set_outbox(card["id"], not_before=min(card["not_before"], now))
+                continue
+            self.store.enqueue(
+                {
+                    "kind": kind,
+                    "parent_id": card["id"],
+                    "episode_id": incident["lead_episode_id"],
+                    "channel": card["channel"],
+                    "destination": card["destination"],
+                    "level": card["level"],
+                    "idem_key": idempotency_key(
+                        kind, f"{card['id']}@{why}", card["channel"], card["destination"]
+                    ),
+                    "created_at": now,
+                    "not_before": now,
+                }
+            )
 
     # -- webhooks -------------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 """The weekly report: an .xlsx workbook (openpyxl) of the alert episodes in a period — a Summary
 sheet (episodes by day and level with a chart, top recurring alerts, top nodes, time to resolve) and
-a Detail sheet with one row per episode — plus the figures for the summary card."""
+a Detail sheet with one row per episode, filterable, its columns sized to their contents — plus the
+figures for the summary card. An incident (a job's hang or slow alerts, one card) counts once: as
+its first alert, lasting until its last resolved, with its culprit and how many alerts it held."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from openpyxl.chart import BarChart, Reference
 from openpyxl.styles import Font
 
 from megatrace.alertbot.config import LEVELS, OncallConfig
+from megatrace.alertbot.incident import load as load_incident
+from megatrace.alertbot.incident import node_of
 from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.store import Store
 
@@ -31,6 +35,8 @@ DETAIL_COLUMNS = (
     "Minutes to resolve",
     "Job",
     "Node",
+    "Culprit",
+    "Alerts",
     "Summary",
     "Recurrence",
     "Escalated",
@@ -40,13 +46,38 @@ DETAIL_COLUMNS = (
 )
 
 
-def node_of(labels: dict[str, str]) -> str:
-    """The node an alert is about: `node`, `hostname` or the host part of `instance`."""
-    for key in ("node", "hostname"):
-        if labels.get(key):
-            return labels[key]
-    instance = labels.get("instance", "")
-    return instance.rsplit(":", 1)[0] if instance.count(":") == 1 else instance
+MAX_WIDTH = 60
+
+
+def counted_once(store: Store, since: float, until: float) -> list[tuple[dict[str, Any], str, int]]:
+    """The episodes starting in [since, until) with an incident's other alerts folded into its first:
+    (episode, culprit, alerts), where an incident's row ends when the incident did."""
+    incidents = {row["lead_episode_id"]: row for row in store.incidents_led_between(since, until)}
+    found = []
+    for row in store.episodes_between(since, until):
+        if row["incident_id"] is None:
+            found.append((dict(row), "", 1))
+            continue
+        incident = incidents.get(row["id"])
+        if incident is None:  # another alert of an incident: counted with its first
+            continue
+        shown = load_incident(store, incident["id"])
+        culprit = shown.culprit if shown else None
+        named = f"rank {culprit.rank}" + (f" on {culprit.node}" if culprit.node else "") if culprit else ""
+        closed = shown is not None and shown.closed
+        episode = dict(row) | {
+            "status": "resolved" if closed else "firing",
+            "ends_at": shown.ended if closed else None,
+        }
+        found.append((episode, named, len(store.incident_members(incident["id"]))))
+    return found
+
+
+def size_columns(sheet: Any) -> None:
+    """Each column as wide as its longest value (at most MAX_WIDTH characters)."""
+    for column in sheet.columns:
+        longest = max((len(str(cell.value)) for cell in column if cell.value is not None), default=0)
+        sheet.column_dimensions[column[0].column_letter].width = min(MAX_WIDTH, longest + 2)
 
 
 def _minutes(row: Any) -> float | None:
@@ -75,7 +106,8 @@ def build_report(
     """Write the workbook for episodes starting in [since, until) to `path`; returns its summary.
     Its "On call" sheet lists who was primary each day and every on-call action (notes included)."""
     zone = ZoneInfo(timezone)
-    rows = store.episodes_between(since, until)
+    counted = counted_once(store, since, until)
+    rows = [episode for episode, _, _ in counted]
     labels = [json.loads(r["labels"]) for r in rows]
     first_day = datetime.fromtimestamp(since, zone).date()
     last_day = datetime.fromtimestamp(max(since, until - 1), zone).date()
@@ -137,7 +169,7 @@ def build_report(
 
     detail = book.create_sheet("Detail")
     _bold_row(detail, list(DETAIL_COLUMNS))
-    for row, lab in zip(rows, labels, strict=True):
+    for (row, culprit, alerts), lab in zip(counted, labels, strict=True):
         annotations = json.loads(row["annotations"])
         detail.append(
             [
@@ -151,6 +183,8 @@ def build_report(
                 _minutes(row),
                 lab.get("job", ""),
                 node_of(lab),
+                culprit,
+                alerts,
                 annotations.get("summary", ""),
                 row["recurrence"],
                 "yes" if row["escalated"] else "",
@@ -160,6 +194,8 @@ def build_report(
             ]
         )
     detail.freeze_panes = "A2"
+    detail.auto_filter.ref = detail.dimensions
+    size_columns(detail)
     actions = store.actions_between(since, until)
     duty = book.create_sheet("On call")
     _bold_row(duty, ["Day", "Primary", "Then"])
@@ -180,6 +216,7 @@ def build_report(
                 action["source"],
             ]
         )
+    size_columns(duty)
     path.parent.mkdir(parents=True, exist_ok=True)
     book.save(path)
     all_durations = [m for r in rows if (m := _minutes(r)) is not None]

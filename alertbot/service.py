@@ -22,6 +22,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from megatrace.alertbot.actions import Actions
 from megatrace.alertbot.alertmanager import AlertmanagerError, reconcile
 from megatrace.alertbot.cards import CardRenderer
+from megatrace.alertbot.channels import card_message
 from megatrace.alertbot.config import AlertbotConfig, app_configured, cron_trigger
 from megatrace.alertbot.delivery import ConsoleSink, Delivery
 from megatrace.alertbot.drilldown import DrilldownRunner
@@ -85,9 +86,7 @@ class Service:
         self._last_takeover = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.drilldowns = DrilldownRunner(
-            self.pipeline, self.renderer, cfg.drilldown, self.metrics, self.wake
-        )
+        self.drilldowns = DrilldownRunner(self.pipeline, cfg.drilldown, self.metrics, self.wake)
         self.scheduler = BackgroundScheduler(timezone=cfg.report.timezone)
         self._threads: list[threading.Thread] = []
         self.stall_after_s = WORKER_STALL_S
@@ -230,12 +229,10 @@ class Service:
         messages = (
             [
                 ("report-file", "app", chat, {"msg_type": "file", "path": str(path)}),
-                ("report", "app", chat, {"msg_type": "interactive", "card": card}),
+                ("report", "app", chat, card_message(card)),
             ]
             if chat
-            else [
-                ("report", "console", "report", {"msg_type": "interactive", "card": card, "path": str(path)})
-            ]
+            else [("report", "console", "report", card_message(card) | {"path": str(path)})]
         )
         summary["outbox"] = []
         for kind, channel, destination, payload in messages:

@@ -92,6 +92,24 @@ MIGRATIONS: tuple[str, ...] = (
         id INTEGER PRIMARY KEY, episode_id INTEGER NOT NULL, step INTEGER NOT NULL, message_id TEXT NOT NULL,
         users TEXT NOT NULL, at REAL NOT NULL, UNIQUE (episode_id, step));
     """,
+    # Card updates name the card they replace (parent_id) on its own channel and chat.
+    """
+    UPDATE outbox SET
+        parent_id = (SELECT p.id FROM outbox p
+            WHERE p.channel = 'app' AND p.message_id = outbox.destination LIMIT 1),
+        destination = COALESCE((SELECT p.destination FROM outbox p
+            WHERE p.channel = 'app' AND p.message_id = outbox.destination LIMIT 1), outbox.destination),
+        channel = 'app'
+        WHERE channel = 'app-update';
+    """,
+    # One incident per job and level: its hang and slow alerts share one card, which names the culprit.
+    """
+    CREATE TABLE incidents (
+        id INTEGER PRIMARY KEY, job TEXT NOT NULL, level TEXT NOT NULL, opened_at REAL NOT NULL,
+        closed_at REAL, lead_episode_id INTEGER NOT NULL, verdict TEXT, verdict_at REAL);
+    CREATE INDEX incidents_open ON incidents(job, level, closed_at);
+    ALTER TABLE episodes ADD COLUMN incident_id INTEGER;
+    """,
 )
 
 OPEN_STATES = ("pending", "sending")
@@ -320,6 +338,40 @@ class Store:
 
     def storm_members(self, storm_id: int) -> list[sqlite3.Row]:
         return self.query("SELECT * FROM episodes WHERE storm_id = ? ORDER BY id", (storm_id,))
+
+    # -- incidents ----------------------------------------------------------------------------
+
+    def open_incident(self, job: str, level: str) -> sqlite3.Row | None:
+        return self.one(
+            "SELECT * FROM incidents WHERE job = ? AND level = ? AND closed_at IS NULL "
+            "ORDER BY id DESC LIMIT 1",
+            (job, level),
+        )
+
+    def create_incident(self, job: str, level: str, lead_episode_id: int, now: float) -> int:
+        cur = self.execute(
+            "INSERT INTO incidents (job, level, opened_at, lead_episode_id) VALUES (?, ?, ?, ?)",
+            (job, level, now, lead_episode_id),
+        )
+        return int(cur.lastrowid)
+
+    def incident(self, incident_id: int) -> sqlite3.Row | None:
+        return self.one("SELECT * FROM incidents WHERE id = ?", (incident_id,))
+
+    def set_incident(self, incident_id: int, **fields: Any) -> None:
+        assignments = ", ".join(f"{name} = ?" for name in fields)
+        self.execute(f"UPDATE incidents SET {assignments} WHERE id = ?", (*fields.values(), incident_id))
+
+    def incidents_led_between(self, since: float, until: float) -> list[sqlite3.Row]:
+        """Incidents whose first alert started in [since, until)."""
+        return self.query(
+            "SELECT i.* FROM incidents i JOIN episodes e ON e.id = i.lead_episode_id "
+            "WHERE e.starts_at >= ? AND e.starts_at < ? ORDER BY i.id",
+            (since, until),
+        )
+
+    def incident_members(self, incident_id: int) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM episodes WHERE incident_id = ? ORDER BY id", (incident_id,))
 
     # -- storms -------------------------------------------------------------------------------
 
@@ -610,6 +662,11 @@ class Store:
             counts["episodes"] = db.execute(
                 f"DELETE FROM episodes WHERE id IN ({old}) AND id NOT IN "
                 "(SELECT episode_id FROM outbox WHERE episode_id IS NOT NULL)",
+                (before,),
+            ).rowcount
+            counts["incidents"] = db.execute(
+                "DELETE FROM incidents WHERE closed_at < ? AND id NOT IN "
+                "(SELECT incident_id FROM episodes WHERE incident_id IS NOT NULL)",
                 (before,),
             ).rowcount
             counts["storms"] = db.execute(

@@ -2,9 +2,10 @@
 
 It starts the local stack, runs a real multi-process CPU training job under the tracer, makes one
 rank (chosen at random) hang, and follows the alert from Prometheus through Alertmanager to the
-bot's delivered P0 message and drill-down naming the rank; stops the job and waits for the resolved
-message; then does the same for a slow rank (P1); writes the weekly report workbook; stops the stack.
-Every expected step that does not happen in time makes it fail with a non-zero exit.
+bot's one P0 card, whose headline names that rank; stops the job and waits for the card to resolve;
+then does the same for a slow rank (P1); writes the weekly report workbook; stops the stack. Every
+expected step that does not happen in time, and a second card for one incident, make it fail with a
+non-zero exit.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from megatrace.stack_config import StackConfig
 DEMO_SETTINGS = {"scrape_interval": "1s", "time_compression": 20, "state_dir": str(Path("out") / "demo")}
 MARKER = ".megatrace-demo"
 LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
-DRILLDOWN_TITLE = re.compile(r"DRILL-DOWN (?P<alert>\w+) job (?P<job>\S+): rank (?P<rank>\d+)")
+HEADLINE = re.compile(r"^\[P\d\] \w+: rank (?P<rank>\d+) ")
+HANG_ALERTS = ("MegatraceJobHang", "MegatraceRankHang")  # the job's verdict, or (older rules) per rank
 
 
 class DemoFailed(RuntimeError):
@@ -59,12 +61,12 @@ class Outcome:
 
     hung_rank: int = -1
     hang_message: dict[str, Any] = dataclasses.field(default_factory=dict)
-    hang_drilldown: dict[str, Any] = dataclasses.field(default_factory=dict)
     hang_resolved: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hang_cards: int = 0
     slow_rank: int = -1
     slow_message: dict[str, Any] = dataclasses.field(default_factory=dict)
-    slow_drilldown: dict[str, Any] = dataclasses.field(default_factory=dict)
     slow_resolved: dict[str, Any] = dataclasses.field(default_factory=dict)
+    slow_cards: int = 0
     report_path: str = ""
     artefacts: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -121,8 +123,8 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float, interval: floa
     raise DemoFailed(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def firing_alerts(prometheus: str, alertname: str, job: str) -> list[dict[str, Any]]:
-    """Alerts of `alertname` for training job `job` that Prometheus has firing now."""
+def firing_alerts(prometheus: str, alertnames: tuple[str, ...], job: str) -> list[dict[str, Any]]:
+    """Alerts named one of `alertnames` for training job `job` that Prometheus has firing now."""
     try:
         alerts = requests.get(f"{prometheus}/api/v1/alerts", timeout=5).json()["data"]["alerts"]
     except (requests.RequestException, ValueError, KeyError):
@@ -131,7 +133,7 @@ def firing_alerts(prometheus: str, alertname: str, job: str) -> list[dict[str, A
         alert
         for alert in alerts
         if alert["state"] == "firing"
-        and alert["labels"].get("alertname") == alertname
+        and alert["labels"].get("alertname") in alertnames
         and alert["labels"].get("job") == job
     ]
 
@@ -144,10 +146,18 @@ def find_message(messages: list[dict[str, Any]], kind: str, level: str, needle: 
     return None
 
 
-def drilldown_rank(message: dict[str, Any]) -> int | None:
-    """The rank a drill-down message names first (from its title)."""
-    match = DRILLDOWN_TITLE.search(card_text(message))
+def headline_rank(message: dict[str, Any]) -> int | None:
+    """The rank a card's headline names as the culprit."""
+    title = message.get("card", {}).get("header", {}).get("title", {}).get("content", "")
+    match = HEADLINE.match(title)
     return int(match.group("rank")) if match else None
+
+
+def count_cards(messages: list[dict[str, Any]], level: str, job: str) -> int:
+    """How many cards (pages, not updates of one) of `level` were sent for job `job`."""
+    return sum(
+        1 for m in messages if m.get("kind") == "firing" and m.get("level") == level and job in card_text(m)
+    )
 
 
 def bot_diagnostics(state: Path, now: float | None = None, log_lines: int = 12) -> list[str]:
@@ -220,46 +230,40 @@ def _follow_fault(
     config: StackConfig,
     scenario: Scenario,
     job: str,
-    alertname: str,
+    alertnames: tuple[str, ...],
     level: str,
     env: dict[str, str],
     say: Callable[[str], None],
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Run a faulty job, wait for the alert, its message and drill-down; stop it and wait for the resolve."""
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Run a faulty job, wait for the alert and its card; stop it and wait for the card to resolve.
+    Returns the first card, its resolved state, and how many cards the incident sent."""
     state = Path(config.state_dir)
     messages = state / "messages.jsonl"
     prometheus = f"http://{config.host}:{config.ports.prometheus}"
     timeout = scenario.step_timeout
     with training_job(config, job, scenario, env, state / "logs" / f"{job}.log"):
         alerts = wait_for(
-            f"Prometheus to fire {alertname} for job {job}",
-            lambda: firing_alerts(prometheus, alertname, job),
+            f"Prometheus to fire {' or '.join(alertnames)} for job {job}",
+            lambda: firing_alerts(prometheus, alertnames, job),
             timeout,
         )
-        ranks = sorted({a["labels"].get("rank", "?") for a in alerts}, key=str)
-        say(f"    Prometheus: {alertname} firing ({level}) for job {job}, ranks {', '.join(ranks)}")
+        names = sorted({a["labels"]["alertname"] for a in alerts})
+        say(f"    Prometheus: {', '.join(names)} firing for job {job}")
         message = wait_for(
-            f"the {level} message for job {job}",
+            f"the {level} card for job {job}",
             lambda: find_message(read_messages(messages), "firing", level, job),
             timeout,
         )
         say(f"    alert bot delivered the {level} card:")
         say(_indent(card_text(message)))
-        drilldown = wait_for(
-            f"the drill-down for job {job}",
-            lambda: find_message(read_messages(messages), "drilldown", level, f"job {job}"),
-            timeout,
-        )
-        say("    drill-down:")
-        say(_indent(card_text(drilldown)))
-    say(f"    job {job} stopped; waiting for the resolved message")
+    say(f"    job {job} stopped; waiting for its card to resolve")
     resolved = wait_for(
-        f"the resolved message for job {job}",
+        f"the resolved card for job {job}",
         lambda: find_message(read_messages(messages), "resolved", level, job),
         timeout,
     )
     say("    resolved: " + card_text(resolved).splitlines()[0])
-    return message, drilldown, resolved
+    return message, resolved, count_cards(read_messages(messages), level, job)
 
 
 def _indent(text: str) -> str:
@@ -300,12 +304,16 @@ def run(config: StackConfig, scenario: Scenario, say: Callable[[str], None] = pr
             "MEGATRACE_FAULT_HANG_RANK": str(outcome.hung_rank),
             "MEGATRACE_FAULT_HANG_AT_STEP": str(scenario.hang_after_step),
         }
-        outcome.hang_message, outcome.hang_drilldown, outcome.hang_resolved = _follow_fault(
-            config, scenario, "demo-hang", "MegatraceRankHang", "P0", hang_env, say
+        outcome.hang_message, outcome.hang_resolved, outcome.hang_cards = _follow_fault(
+            config, scenario, "demo-hang", HANG_ALERTS, "P0", hang_env, say
         )
-        if drilldown_rank(outcome.hang_drilldown) != outcome.hung_rank:
-            raise DemoFailed(f"the drill-down did not name the hung rank {outcome.hung_rank}")
-        say(f"    ✓ the P0 drill-down names rank {outcome.hung_rank}, the rank that hung")
+        if headline_rank(outcome.hang_message) != outcome.hung_rank:
+            raise DemoFailed(
+                f"the first P0 card does not name the hung rank {outcome.hung_rank} in its headline"
+            )
+        if outcome.hang_cards != 1:
+            raise DemoFailed(f"the hang sent {outcome.hang_cards} P0 cards; one incident is one card")
+        say(f"    ✓ the one P0 card names rank {outcome.hung_rank}, the rank that hung, in its headline")
 
         outcome.slow_rank = rng.randrange(scenario.nprocs)
         say(f"[3/5] training job demo-slow: rank {outcome.slow_rank} runs {scenario.slow_pct:.0f}% slower")
@@ -313,14 +321,14 @@ def run(config: StackConfig, scenario: Scenario, say: Callable[[str], None] = pr
             "MEGATRACE_FAULT_SLOW_RANK": str(outcome.slow_rank),
             "MEGATRACE_FAULT_SLOW_PCT": str(scenario.slow_pct),
         }
-        outcome.slow_message, outcome.slow_drilldown, outcome.slow_resolved = _follow_fault(
-            config, scenario, "demo-slow", "MegatraceSlowRank", "P1", slow_env, say
+        outcome.slow_message, outcome.slow_resolved, outcome.slow_cards = _follow_fault(
+            config, scenario, "demo-slow", ("MegatraceSlowRank",), "P1", slow_env, say
         )
-        if not re.search(rf"\brank {outcome.slow_rank}\b", card_text(outcome.slow_message), re.IGNORECASE):
-            raise DemoFailed(f"the P1 message does not name the slow rank {outcome.slow_rank}")
-        if drilldown_rank(outcome.slow_drilldown) != outcome.slow_rank:
-            raise DemoFailed(f"the drill-down did not name the slow rank {outcome.slow_rank}")
-        say(f"    ✓ the P1 message and its drill-down name rank {outcome.slow_rank}, the slow rank")
+        if headline_rank(outcome.slow_message) != outcome.slow_rank:
+            raise DemoFailed(f"the P1 card does not name the slow rank {outcome.slow_rank} in its headline")
+        if outcome.slow_cards != 1:
+            raise DemoFailed(f"the slow rank sent {outcome.slow_cards} P1 cards; one incident is one card")
+        say(f"    ✓ the one P1 card names rank {outcome.slow_rank}, the slow rank, in its headline")
 
         if scenario.report:
             say("[4/5] weekly report for the alerts of this run")

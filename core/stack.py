@@ -73,6 +73,9 @@ def _megatrace_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "megatrace.cli", *args]
 
 
+LOCAL_VERDICT_WAIT_S = 60.0
+
+
 def alertbot_settings(config: StackConfig, state: Path, webhook_token: str) -> dict:
     """The bot's configuration: the user's file (if any) with the stack's listen address, store and URLs.
 
@@ -94,6 +97,8 @@ def alertbot_settings(config: StackConfig, state: Path, webhook_token: str) -> d
     drilldown = settings.setdefault("drilldown", {})
     drilldown.setdefault("trace_roots", [str(Path(config.trace_dir).resolve())])
     drilldown.setdefault("prometheus_url", prometheus)
+    # The analyzer shares this machine with the training job: give the first card longer to name the culprit.
+    drilldown.setdefault("verdict_wait_s", LOCAL_VERDICT_WAIT_S)
     links = settings.setdefault("links", {})
     links.setdefault("prometheus_url", prometheus)
     links.setdefault("alertmanager_url", alertmanager)

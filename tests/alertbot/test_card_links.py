@@ -120,7 +120,7 @@ def test_storm_card_links_follow_the_same_rules(tmp_path: Path) -> None:
     items = []
     for i in range(4):
         item = hang()
-        item["labels"] = {**item["labels"], "rank": str(i)}
+        item["labels"] = {**item["labels"], "job": f"llm-{i}"}  # one incident each
         item["fingerprint"] = f"fp{i}"
         items.append(item)
     bot.receive(webhook(*items), T0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import socket
 import sys
 import threading
@@ -17,10 +18,11 @@ import yaml
 
 from megatrace.alertbot.drilldown import DrilldownRunner, prometheus_hints, resolve_trace_dir
 from megatrace.alertbot.service import Service
-from tests.alertbot.conftest import Bot, alert, config, webhook
+from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.gloo_job import run_traced_job
 from tests.support.services import free_port, prometheus_argv, running
 
+T0 = 1_790_000_000.0
 STUB = """
 import json, pathlib, sys, time
 gate, report = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
@@ -45,7 +47,7 @@ def test_trace_dir_is_confined_to_the_roots(tmp_path: Path) -> None:
     assert resolve_trace_dir([str(tmp_path / "none"), str(root)], "llm-7") == (root / "llm-7").resolve()
 
 
-def stub_config(tmp_path: Path, report: dict) -> tuple:
+def stub_config(tmp_path: Path, report: dict, wait: float = 5.0) -> tuple:
     root = tmp_path / "traces"
     (root / "llm-7").mkdir(parents=True)
     gate = tmp_path / "gate"
@@ -53,48 +55,80 @@ def stub_config(tmp_path: Path, report: dict) -> tuple:
     stub = tmp_path / "stub_analyzer.py"
     stub.write_text(STUB)
     command = [sys.executable, str(stub), str(gate), str(tmp_path / "report.json")]
-    cfg = config(
-        tmp_path, drilldown={"trace_roots": [str(root)], "analyzer_command": command, "timeout_s": 30}
-    )
-    return cfg, gate
-
-
-def test_alert_goes_out_before_the_drilldown_and_the_verdict_follows(tmp_path: Path) -> None:
-    report = {
-        "verdict": "hang",
-        "suspects": [
-            {
-                "rank": 5,
-                "kind": "hang",
-                "confidence": 0.9,
-                "evidence": "rank 5 never joined.",
-                "host": "gpu-9",
-            }
-        ],
+    drilldown = {
+        "trace_roots": [str(root)],
+        "analyzer_command": command,
+        "timeout_s": 30,
+        "verdict_wait_s": wait,
     }
-    cfg, gate = stub_config(tmp_path, report)
-    bot = Bot(cfg)
-    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
-    bot.receive(webhook(alert(job="llm-7", rank="0"), alert(job="llm-7", rank="1")))
-    runner.submit_pending()
-    bot.drain()  # the analyzer is blocked on the gate: the alert is delivered regardless
-    assert [line["kind"] for line in bot.console()] == ["firing", "firing"]
-    assert len(bot.store.query("SELECT * FROM drilldowns")) == 1  # one per job, not per rank
+    return config(tmp_path, drilldown=drilldown), gate
+
+
+HUNG_5 = {
+    "verdict": "hang",
+    "suspects": [
+        {"rank": 5, "kind": "hang", "confidence": 0.9, "evidence": "rank 5 never joined.", "host": "gpu-9"}
+    ],
+}
+
+
+def text(line: dict) -> str:
+    return line["card"]["elements"][0]["text"]["content"]
+
+
+def title(line: dict) -> str:
+    return line["card"]["header"]["title"]["content"]
+
+
+def test_the_first_card_waits_for_a_quick_verdict_and_names_the_culprit(tmp_path: Path) -> None:
+    cfg, gate = stub_config(tmp_path, HUNG_5, wait=60)
     gate.touch()
-    deadline = time.monotonic() + 30
-    while not bot.store.queue_depth() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    bot.drain()
-    follow_up = bot.console()[-1]
-    assert follow_up["kind"] == "drilldown"
-    assert (
-        follow_up["card"]["header"]["title"]["content"]
-        == "[P0] DRILL-DOWN MegatraceRankHang job llm-7: rank 5"
-    )
-    text = follow_up["card"]["elements"][0]["text"]["content"]
-    assert "rank **5** on **gpu-9** (hang, confidence 90%): rank 5 never joined." in text
+    bot = Bot(cfg)
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
+    bot.receive(webhook(alert(job="llm-7", rank="0"), alert(job="llm-7", rank="1")))
+    assert bot.delivery.deliver_due() == 0  # the card waits for the verdict
+    runner.submit_pending()
+    bot.drain(timeout=60)
+    (card,) = bot.console()  # one card for the job's hang, not one per rank, and no follow-up
+    assert card["kind"] == "firing"
+    assert title(card) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
+    body = text(card)
+    assert "**Culprit**: rank **5** on node **gpu-9** (confidence 90%)" in body
+    assert "**Seen**: rank 5 never joined." in body
+    assert "**Do first**: Drain node gpu-9, then restart job llm-7 from its last checkpoint." in body
+    assert "**Also alerting**: ranks 0-1" in body
     result = json.loads(bot.store.query("SELECT result FROM drilldowns")[0]["result"])
     assert result["analyzed"] == str((tmp_path / "traces" / "llm-7").resolve())
+    runner.shutdown()
+
+
+def test_a_late_verdict_updates_the_card_that_went_out_without_it(tmp_path: Path) -> None:
+    cfg, gate = stub_config(tmp_path, HUNG_5, wait=0.3)
+    bot = Bot(cfg)
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
+    bot.receive(webhook(alert(job="llm-7", rank="0"), alert(job="llm-7", rank="1")))
+    runner.submit_pending()
+    bot.drain()  # the analyzer is blocked on the gate: the card goes out after its bounded wait
+    (first,) = bot.console()
+    assert title(first) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
+    assert "**Culprit**: not known yet; the drill-down's verdict follows" in text(first)
+    gate.touch()
+    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    bot.drain()
+    first, update = bot.console()
+    assert update["kind"] == "verdict" and update["replaces"] == first["card"]["elements"][-1]["elements"][0][
+        "content"
+    ].removeprefix("megatrace ref ")
+    assert title(update) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
+    bot.receive(webhook(*(alert(job="llm-7", rank=r, status="resolved", ends_at=T0 + 60) for r in "01")))
+    bot.drain()
+    resolved = bot.console()[-1]
+    assert (
+        resolved["kind"] == "resolved"
+        and title(resolved) == "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7"
+    )
+    assert "**Resolved** after 1m" in text(resolved) and "Ranks stopped making progress" not in text(resolved)
+    assert len(bot.console()) == 3
     runner.shutdown()
 
 
@@ -118,17 +152,13 @@ def test_failing_analyzer_and_unknown_job_are_reported_not_raised(tmp_path: Path
     cfg, gate = stub_config(tmp_path, {"no": "verdict"})
     gate.touch()
     bot = Bot(cfg)
-    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
     bot.receive(webhook(alert(job="llm-7"), alert("MegatraceJobStalled", job="../../etc")))
     for row in bot.store.pending_drilldowns():
         runner.run(row["id"])
     bot.drain()
-    texts = [
-        line["card"]["elements"][0]["text"]["content"]
-        for line in bot.console()
-        if line["kind"] == "drilldown"
-    ]
-    assert "Drill-down of job `llm-7` failed: the analyzer's report has no verdict/suspects" in texts[0]
+    texts = [text(line) for line in bot.console()]
+    assert "not named: the drill-down failed (the analyzer's report has no verdict/suspects)" in texts[0]
     assert "no trace directory for job '../../etc' under the configured trace roots" in texts[1]
     assert bot.metrics.drilldowns.labels("error")._value.get() == 2
 
@@ -138,7 +168,7 @@ def test_a_crashing_drilldown_still_answers_the_alert(
 ) -> None:
     cfg, _ = stub_config(tmp_path, {"verdict": "healthy", "suspects": []})
     bot = Bot(cfg)
-    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
 
     def crash(job: str) -> dict:
         raise KeyError("suspects")
@@ -148,14 +178,11 @@ def test_a_crashing_drilldown_still_answers_the_alert(
     (row,) = bot.store.pending_drilldowns()
     runner.run(row["id"])
     bot.drain()
-    follow_up = bot.console()[-1]
-    assert follow_up["card"]["header"]["title"]["content"] == (
-        "[P0] DRILL-DOWN MegatraceRankHang job llm-7: drill-down failed"
-    )
-    text = follow_up["card"]["elements"][0]["text"]["content"]
-    assert "the drill-down crashed (KeyError); the bot's log has the details" in text
+    (card,) = bot.console()
+    assert title(card) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
+    assert "the drill-down crashed (KeyError); the bot's log has the details" in text(card)
     assert bot.store.drilldown(row["id"])["state"] == "done"
-    assert "suspects" not in text
+    assert "suspects" not in text(card)
 
 
 class Exposition(http.server.BaseHTTPRequestHandler):
@@ -239,7 +266,8 @@ def test_drilldown_names_the_hung_rank_from_real_tracer_dumps(tmp_path: Path) ->
             "MEGATRACE_TRACE_JOB": "llm-7",
         },
     )
-    bot = Service(config(tmp_path, drilldown={"trace_roots": [str(traces)], "timeout_s": 120}))
+    drilldown = {"trace_roots": [str(traces)], "timeout_s": 120, "verdict_wait_s": 120}
+    bot = Service(config(tmp_path, drilldown=drilldown))
     bot.start()
     try:
         bot.store.add_inbox(
@@ -247,15 +275,10 @@ def test_drilldown_names_the_hung_rank_from_real_tracer_dumps(tmp_path: Path) ->
         )
         bot.wake()
         console = Path(bot.cfg.delivery.console_path)
-        deadline = time.monotonic() + 120
-        lines: list[dict] = []
-        while len(lines) < 2 and time.monotonic() < deadline:
-            lines = [json.loads(x) for x in console.read_text().splitlines()] if console.exists() else []
-            time.sleep(0.2)
+        wait_until(console.exists, timeout=150, what="the first card")
+        lines = [json.loads(x) for x in console.read_text().splitlines()]
     finally:
         bot.stop()
-    assert [line["kind"] for line in lines] == ["firing", "drilldown"]
-    card = lines[1]["card"]
-    assert card["header"]["title"]["content"] == "[P0] DRILL-DOWN MegatraceJobStalled job llm-7: rank 2"
-    text = card["elements"][0]["text"]["content"]
-    assert "**Verdict: hang** in job `llm-7`" in text and "rank **2** on **" in text
+    assert [line["kind"] for line in lines] == ["firing"]
+    assert re.fullmatch(r"\[P0\] FIRING: rank 2 hung on \S+ — job llm-7", title(lines[0])), title(lines[0])
+    assert "**Culprit**: rank **2** on node **" in text(lines[0])

@@ -19,13 +19,22 @@ import yaml
 
 from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.tracer.ringfile import DEVICE_UUID_BYTES, DEVICE_UUID_OFFSET, W_CUDA_DEVICE
-from tests.alertbot.conftest import Bot, config
+from tests.alertbot.conftest import Bot, alert, config, webhook
 from tests.support.gloo_job import run_traced_job
 from tests.support.kubelet import kubelet, list_response, pod
 from tests.support.services import free_port, prometheus_argv, running
 
 TOKEN = "agent-token-for-tests"
 HUNG_RANK = 2
+
+
+def card_text(bot: Bot, report: dict) -> str:
+    """The text of the job's incident card once `report` is its verdict."""
+    bot.store.set_incident(1, verdict=json.dumps(report))
+    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
+    return bot.delivery.render(row, time.time())["card"]["elements"][0]["text"]["content"]
+
+
 NODES = {"node-a": ("127.0.0.2", [0, 1]), "node-b": ("127.0.0.3", [2, 3])}
 
 
@@ -125,7 +134,8 @@ def test_two_agents_serve_the_job_and_the_bot_names_rank_node_pod_and_gpu(
         },
     )
     bot = Bot(cfg)
-    runner = DrilldownRunner(bot.pipeline, bot.renderer, cfg.drilldown, bot.metrics)
+    bot.receive(webhook(alert(job="llm-7")))
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
     prom_argv = prometheus_argv(tmp_path / "prometheus.yml", tmp_path / "prom-data", prometheus_port)
     with (
         running(prom_argv, f"{prometheus}/-/ready", tmp_path / "prometheus.log"),
@@ -151,18 +161,17 @@ def test_two_agents_serve_the_job_and_the_bot_names_rank_node_pod_and_gpu(
     assert (culprit["gpu"], culprit["gpu_uuid"], culprit["local_rank"]) == (0, gpu_uuid(HUNG_RANK), 2)
     assert "no_data" not in both
     assert str(tmp_path / "root-") not in json.dumps(both)  # the analyzer read the bot's copies only
-    card = bot.renderer.drilldown_card("llm-7", "MegatraceRankHang", "P0", both, "d1")
-    text = card["elements"][0]["text"]["content"]
+    text = card_text(bot, both)
+    assert "**Culprit**: rank **2** on node **node-b**" in text
     assert (
-        f"where: node node-b, pod ml-train/llm-7-worker-b container trainer, GPU 0 ({gpu_uuid(HUNG_RANK)}), "
-        "local rank 2" in text
+        "**Placement**: node node-b, pod ml-train/llm-7-worker-b container trainer, "
+        f"GPU 0 ({gpu_uuid(HUNG_RANK)}), local rank 2" in text
     )
 
     assert one_down["no_data"] == [
         {"reason": f"agent 127.0.0.3:{trace_port}: connection refused or lost after 2 tries", "ranks": [2, 3]}
     ]
-    card = bot.renderer.drilldown_card("llm-7", "MegatraceRankHang", "P0", one_down, "d2")
-    text = card["elements"][0]["text"]["content"]
+    text = card_text(bot, one_down)
     assert f"- ranks 2-3: agent 127.0.0.3:{trace_port}: connection refused or lost after 2 tries" in text
     # the reachable agent's ranks waited on ranks 2 and 3, which left no data: the analyzer names both
     assert one_down["verdict"] == "hang"

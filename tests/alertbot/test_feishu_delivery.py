@@ -41,10 +41,8 @@ def app_config(tmp_path: Path, feishu: FeishuServer, **extra: object):
     )
 
 
-def slow_rank(rank: int = 5, **labels: str) -> dict:
-    return alert(
-        "MegatraceSlowRank", severity="P1", job="llm", rank=str(rank), instance="gpu-3:9450", **labels
-    )
+def slow_rank(rank: int = 5, job: str = "llm", **labels: str) -> dict:
+    return alert("MegatraceSlowRank", severity="P1", job=job, rank=str(rank), instance="gpu-3:9450", **labels)
 
 
 def test_signature_matches_feishu_definition() -> None:
@@ -61,11 +59,12 @@ def test_signed_card_reaches_the_group(tmp_path: Path, feishu: FeishuServer) -> 
     assert post.body["msg_type"] == "interactive"
     card = post.body["card"]
     assert card["header"] == {
-        "title": {"tag": "plain_text", "content": "[P1] FIRING: MegatraceSlowRank on gpu-3:9450"},
+        "title": {"tag": "plain_text", "content": "[P1] FIRING: rank 5 is slow on gpu-3 — job llm"},
         "template": "orange",
     }
     text = card["elements"][0]["text"]["content"]
-    assert "**Where**: job llm, rank 5, instance gpu-3:9450" in text
+    assert "**Where**: job llm, node gpu-3" in text
+    assert "**Culprit**: rank **5** on node **gpu-3**" in text
     buttons = {b["text"]["content"]: b["url"] for b in card["elements"][1]["actions"]}
     assert buttons["Runbook"] == "https://runbooks.example/megatrace"
     assert buttons["Silence"].startswith(
@@ -162,11 +161,11 @@ def test_all_urgent_quota_gone_falls_back_to_in_app(tmp_path: Path, feishu: Feis
 
 def test_token_is_cached_and_refreshed_when_rejected(tmp_path: Path, feishu: FeishuServer) -> None:
     bot = Bot(app_config(tmp_path, feishu, dedupe={"storm_threshold": 0}))
-    bot.receive(webhook(*[alert(job="llm", rank=str(r)) for r in range(3)]))
+    bot.receive(webhook(*[alert(job=f"llm-{r}", rank=str(r)) for r in range(3)]))
     bot.drain()
     assert len(feishu.select("token")) == 1
     feishu.expire_tokens()
-    bot.receive(webhook(alert(job="llm", rank="9")))
+    bot.receive(webhook(alert(job="llm-9", rank="9")))
     bot.drain()
     assert len(feishu.select("token")) == 2
     assert len(feishu.messages("oc_oncall")) == 4
@@ -187,7 +186,7 @@ def test_app_uuid_makes_a_resend_harmless(tmp_path: Path, feishu: FeishuServer) 
 def test_bot_rate_limit_is_respected(tmp_path: Path, feishu: FeishuServer) -> None:
     cfg, hook = bot_config(tmp_path, feishu, dedupe={"storm_threshold": 0})
     bot = Bot(cfg)
-    bot.receive(webhook(*[slow_rank(rank) for rank in range(12)]))
+    bot.receive(webhook(*[slow_rank(rank, job=f"llm-{rank}") for rank in range(12)]))
     bot.drain(timeout=30)
     assert len(feishu.bot_posts(hook)) == 12
     assert feishu.rejections == []  # the server enforces 5/s and 100/min and never had to refuse
@@ -240,7 +239,7 @@ def test_user_template_overrides_and_broken_template_falls_back(tmp_path: Path, 
         tmp_path, feishu, templates_dir=str(templates), dedupe={"storm_threshold": 1, "storm_hold_s": 0}
     )
     bot = Bot(cfg)
-    bot.receive(webhook(slow_rank(1), slow_rank(2), slow_rank(3)))
+    bot.receive(webhook(*(slow_rank(rank, job=f"llm-{rank}") for rank in (1, 2, 3))))
     bot.drain()
     posts = feishu.bot_posts(hook)
     assert posts[0].body["card"]["header"]["title"]["content"] == "CUSTOM MegatraceSlowRank"

@@ -104,7 +104,8 @@ def test_claim_silence_note_through_the_card(oncall_bot, feishu: FeishuServer, t
     feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 1)
     primary = rotation(bot.cfg.oncall, time.time())[0].open_id
     assert feishu.select("urgent_phone")[0].body["user_id_list"] == [primary]
-    fire(bot, am, feishu, wider)
+    post_to_alertmanager(am, wider)  # joins the incident of `hang`: no card of its own
+    wait_until(lambda: len(bot.store.query("SELECT id FROM episodes")) == 2, what="the wider alert received")
 
     answer = sender.click(ALICE, {"episode": episode["id"], "action": "claim"}, message_id)
     assert answer.status_code == 200 and answer.json()["toast"]["type"] == "success"
@@ -228,7 +229,7 @@ def test_escalation_in_compressed_time(oncall_bot, feishu: FeishuServer) -> None
     feishu.wait_for(
         lambda: any(
             m.key == "oc_p0"
-            and m.body["content"]["header"]["title"]["content"].startswith("[P0] FIRING: MegatraceSlowRank")
+            and m.body["content"]["header"]["title"]["content"].startswith("[P0] FIRING: rank 5 is slow")
             for m in feishu.messages()
         )
     )

@@ -136,13 +136,51 @@ def test_workbook_cell_by_cell(tmp_path: Path) -> None:
     assert detail[1][1:] == [
         "MegatraceRankHang", "P0", "P0", "resolved",
         datetime(2026, 11, 16, 10), datetime(2026, 11, 16, 10, 30), 30.0,
-        "llm", "gpu-1", "MegatraceRankHang on gpu-1:9450", 0, None, None, 0, fingerprint(hang_labels),
+        "llm", "gpu-1", None, 1, "MegatraceRankHang on gpu-1:9450",
+        0, None, None, 0, fingerprint(hang_labels),
     ]  # fmt: skip
-    assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][11] == 1  # the recurrence
+    assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][13] == 1  # the recurrence
     assert detail[4][4:8] == ["firing", datetime(2026, 11, 19, 14), None, None]
+    assert detail[4][10:12] == ["rank 5 on gpu-1", 1]  # a slow-rank alert names its rank
     assert detail[5][2:4] == ["P3", "info"] and detail[5][9] == "gpu-3"
     assert summary["total"] == 5 and summary["by_level"] == [("P0", 1), ("P1", 1), ("P2", 2), ("P3", 1)]
     assert summary["mttr"] == "30.0 min"
+
+
+def test_a_hang_counts_once_with_its_culprit_in_a_filterable_sized_detail(tmp_path: Path) -> None:
+    bot = Bot(config(tmp_path))
+    start = at(18, 9)
+    hang = alert(
+        "MegatraceJobHang",
+        starts_at=start,
+        job="llm",
+        culprit_rank="3",
+        culprit_node="gpu-7",
+        culprit_seen="dead",
+    )
+    victims = [alert(starts_at=start + 20, job="llm", rank=str(r), instance="gpu-1:9450") for r in (0, 1)]
+    bot.receive(webhook(hang, *victims), start + 30)
+    ended = datetime.fromtimestamp(start + 1200, UTC).isoformat()
+    bot.receive(
+        webhook(*({**a, "status": "resolved", "endsAt": ended} for a in (hang, *victims))), start + 1200
+    )
+    path = tmp_path / "week.xlsx"
+    summary = build_report(bot.store, at(16, 0), at(23, 0), path)
+    assert summary["total"] == 1 and summary["by_level"][0] == ("P0", 1)
+    detail = openpyxl.load_workbook(path)["Detail"]
+    rows = values(detail)
+    assert len(rows) == 2
+    assert rows[1][1:12] == [
+        "MegatraceJobHang", "P0", "P0", "resolved",
+        datetime(2026, 11, 18, 9), datetime(2026, 11, 18, 9, 20), 20.0,
+        "llm", None, "rank 3 on gpu-7", 3,
+    ]  # fmt: skip
+    assert detail.auto_filter.ref == f"A1:{detail.cell(1, detail.max_column).column_letter}2"
+    widths = {
+        detail.cell(1, c).value: detail.column_dimensions[detail.cell(1, c).column_letter].width
+        for c in (2, 11)
+    }
+    assert widths == {"Alert": len("MegatraceJobHang") + 2, "Culprit": len("rank 3 on gpu-7") + 2}
 
 
 def test_workbook_has_the_stacked_chart(tmp_path: Path) -> None:
@@ -285,7 +323,7 @@ def test_report_beside_a_running_bot_that_writes_the_database(tmp_path: Path) ->
     def keep_posting() -> None:  # the bot writes the database all through the report runs
         while not stop.is_set():
             item = alert(
-                "MegatraceSlowRank", severity="P1", starts_at=time.time(), job="llm", rank=str(len(posted))
+                "MegatraceSlowRank", severity="P1", starts_at=time.time(), job=f"llm-{len(posted)}", rank="0"
             )
             answer = requests.post(f"{base}/alertmanager", json=webhook(item), headers=auth, timeout=10)
             posted.append(answer.status_code)

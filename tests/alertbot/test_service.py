@@ -207,7 +207,7 @@ def test_real_alertmanager_routes_firing_and_resolved_to_feishu(
         bot.start()
         try:
             labels = [
-                {"alertname": "MegatraceSlowRank", "severity": "P1", "job": "llm", "rank": str(r)}
+                {"alertname": "MegatraceSlowRank", "severity": "P1", "job": f"llm-{r}", "rank": str(r)}
                 for r in (2, 6)
             ]
             for item in labels:
@@ -215,14 +215,14 @@ def test_real_alertmanager_routes_firing_and_resolved_to_feishu(
             feishu.wait_for(lambda: len(feishu.bot_posts(hook)) == 2)
             titles = sorted(p.body["card"]["header"]["title"]["content"] for p in feishu.bot_posts(hook))
             assert titles == [
-                "[P1] FIRING: MegatraceSlowRank rank 2",
-                "[P1] FIRING: MegatraceSlowRank rank 6",
+                "[P1] FIRING: rank 2 is slow — job llm-2",
+                "[P1] FIRING: rank 6 is slow — job llm-6",
             ]
             post_to_alertmanager(am, labels[0], ends_at=time.time() - 1)
             feishu.wait_for(lambda: len(feishu.bot_posts(hook)) == 3)
             resolved = feishu.bot_posts(hook)[2].body["card"]
             assert resolved["header"]["template"] == "green"
-            assert resolved["header"]["title"]["content"] == "[P1] RESOLVED: MegatraceSlowRank rank 2"
+            assert resolved["header"]["title"]["content"] == "[P1] RESOLVED: rank 2 is slow — job llm-2"
             time.sleep(1.5)  # several reconciliation rounds
             assert len(feishu.bot_posts(hook)) == 3 and feishu.rejections == []
             episodes = bot.store.query("SELECT status FROM episodes ORDER BY id")
@@ -303,8 +303,9 @@ def test_kill_9_mid_delivery_loses_nothing_and_posts_nothing_twice(
     argv = [sys.executable, "-m", "megatrace.cli", "alertbot", "--config", str(path)]
     ready = f"http://127.0.0.1:{port}/healthz"
     feishu.response_delay = 1.5  # every send is slow: the kill lands while requests are in flight
-    alerts = [alert("MegatraceSlowRank", severity="P1", job="llm", rank=str(r)) for r in range(4)]
-    alerts += [alert("MegatraceRankHang", severity="P0", job="llm", rank=str(r)) for r in range(4)]
+    # one job each: a job's alerts would share one incident card
+    alerts = [alert("MegatraceSlowRank", severity="P1", job=f"slow-{r}", rank=str(r)) for r in range(4)]
+    alerts += [alert("MegatraceRankHang", severity="P0", job=f"hang-{r}", rank=str(r)) for r in range(4)]
     with running(argv, ready, tmp_path / "bot-1.log") as first:
         for item in alerts:
             answer = requests.post(
@@ -324,13 +325,9 @@ def test_kill_9_mid_delivery_loses_nothing_and_posts_nothing_twice(
     refs += [m.body["content"]["elements"][-1]["elements"][0]["content"] for m in feishu.messages()]
     assert len(refs) == 8 and len(set(refs)) == 8
     bot_text = sorted(p.body["card"]["elements"][0]["text"]["content"] for p in feishu.bot_posts())
-    assert [t.split("**Where**: ")[1].split("\n")[0] for t in bot_text] == [
-        f"job llm, rank {r}" for r in range(4)
-    ]
+    assert [t.split("**Where**: ")[1].split("\n")[0] for t in bot_text] == [f"job slow-{r}" for r in range(4)]
     app_text = sorted(m.body["content"]["elements"][0]["text"]["content"] for m in feishu.messages())
-    assert [t.split("**Where**: ")[1].split("\n")[0] for t in app_text] == [
-        f"job llm, rank {r}" for r in range(4)
-    ]
+    assert [t.split("**Where**: ")[1].split("\n")[0] for t in app_text] == [f"job hang-{r}" for r in range(4)]
     log = (tmp_path / "bot-2.log").read_text()
     assert "recovered" in log
 

@@ -9,7 +9,7 @@ import openpyxl
 import pytest
 
 from megatrace.config import load_config
-from megatrace.demo import DemoFailed, Scenario, bot_diagnostics, card_text, drilldown_rank, run
+from megatrace.demo import DemoFailed, Scenario, bot_diagnostics, card_text, headline_rank, run
 from megatrace.stack import read_state
 from megatrace.stack_config import StackConfig
 from tests.support.services import free_port
@@ -38,16 +38,21 @@ def test_hang_and_slow_rank_are_named_in_delivered_messages(tmp_path: Path) -> N
 
     assert outcome.hang_message["level"] == "P0"
     assert "demo-hang" in card_text(outcome.hang_message)
-    assert drilldown_rank(outcome.hang_drilldown) == outcome.hung_rank
+    assert headline_rank(outcome.hang_message) == outcome.hung_rank  # the first card names the culprit
+    assert outcome.hang_cards == 1
     assert outcome.hang_resolved["kind"] == "resolved"
+    assert outcome.hang_resolved["replaces"] in card_text(outcome.hang_message)  # the same card, resolved
 
     assert outcome.slow_message["level"] == "P1"
     assert f"Rank {outcome.slow_rank} " in card_text(outcome.slow_message)
-    assert drilldown_rank(outcome.slow_drilldown) == outcome.slow_rank
+    assert headline_rank(outcome.slow_message) == outcome.slow_rank
+    assert outcome.slow_cards == 1
 
     workbook = openpyxl.load_workbook(outcome.report_path)
     detail = workbook[workbook.sheetnames[1]]
     alertnames = {cell.value for row in detail.iter_rows() for cell in row}
-    assert {"MegatraceRankHang", "MegatraceSlowRank"} <= alertnames
+    assert "MegatraceSlowRank" in alertnames and alertnames & {"MegatraceJobHang", "MegatraceRankHang"}
+    culprits = {row[10] for row in detail.iter_rows(min_row=2, values_only=True)}
+    assert f"rank {outcome.hung_rank}" in {str(c).split(" on ")[0] for c in culprits}
 
     assert read_state(Path(config.state_dir)) == []

@@ -13,7 +13,8 @@ and can be told to fail the way Feishu fails. Usage::
 Endpoints: ``POST /open-apis/bot/v2/hook/<token>``, ``POST /open-apis/auth/v3/tenant_access_token/internal``,
 ``POST|GET /open-apis/im/v1/messages``, ``PATCH /open-apis/im/v1/messages/<id>/urgent_{phone,sms,app}``,
 ``POST /open-apis/im/v1/files``, ``POST /open-apis/sheets/v2/spreadsheets/<token>/values_append``,
-``PATCH /open-apis/im/v1/messages/<id>`` (card update), ``POST /callback/ws/endpoint`` (long
+``PATCH /open-apis/im/v1/messages/<id>`` (card update: an interactive message whose card, before and
+after, declares ``config.update_multi``; body ≤ 30 KB), ``POST /callback/ws/endpoint`` (long
 connection, see `feishu_callbacks`, which also sends card-action callbacks).
 Failure modes for `fail`: ``rate_limit`` (HTTP 200, code 11232), ``http_429`` (HTTP 429, code
 99991400, ``x-ogw-ratelimit-reset``), ``server_error`` (HTTP 500), ``quota`` (code 230024),
@@ -213,7 +214,8 @@ class FeishuServer:
                 return True
 
             def raw_body(self) -> bytes:
-                return self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+                self.raw = self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+                return self.raw
 
             def json_body(self, endpoint: str) -> Any:
                 raw = self.raw_body()
@@ -415,8 +417,13 @@ class FeishuServer:
                 body = self.json_body("update")
                 if body is None or not self.authorized("update") or self.failed("update"):
                     return
-                if not any(r.message_id == message_id for r in server.select("message")):
+                sent = [r for r in server.select("message") if r.message_id == message_id]
+                if not sent:
                     return self.reject("update", 400, 230011, "message not found or not sent by this app")
+                if sent[0].body.get("msg_type") != "interactive":
+                    return self.reject("update", 400, 230001, "only interactive messages can be updated")
+                if len(self.raw) > 30 * 1024:
+                    return self.reject("update", 400, 230025, "card update body over 30 KB")
                 try:
                     card = json.loads(body.get("content", ""))
                 except (TypeError, json.JSONDecodeError):
@@ -424,6 +431,14 @@ class FeishuServer:
                 problem = check_message("interactive", card)
                 if problem:
                     return self.reject("update", 400, 230001, problem)
+                before = sent[0].body["content"].get("config", {}).get("update_multi")
+                if before is not True or card.get("config", {}).get("update_multi") is not True:
+                    return self.reject(
+                        "update",
+                        400,
+                        230001,
+                        'a shared card needs config "update_multi": true before and after',
+                    )
                 server._record(Record("update", {"card": card}, time.time(), message_id, message_id))
                 self.answer(200, {"code": 0, "msg": "success", "data": {}})
 

@@ -1,0 +1,181 @@
+"""What an incident says. A job's hang or slow alerts at one level form one incident, shown as one
+card that names the culprit — from the alert's labels (``culprit_rank``, ``culprit_node``,
+``culprit_seen``) where the rules could tell, else from the drill-down's verdict — what was seen, in
+one plain sentence, and what to do first."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from megatrace.alertbot.store import Store
+
+UNKNOWN = ("", "unknown")
+SLOW_ALERTS = frozenset({"MegatraceSlowRank"})
+SEEN = {
+    "dead": "Rank {rank} stopped: its process is gone or no longer reports, and the other ranks wait for it.",
+    "lagging": "Rank {rank} fell behind: the other ranks are ahead and wait for it.",
+    "awaited": "The other ranks wait for rank {rank} in a collective it has not joined.",
+    "slow": "Rank {rank} takes longer per step than the others, and they wait for it every step.",
+}
+
+
+@dataclasses.dataclass
+class Culprit:
+    """The rank an incident is about: where it runs (`node` as operators name it, `where` for pod,
+    GPU and local rank), how it was seen and, from the analyzer, its confidence."""
+
+    rank: str
+    node: str = ""
+    seen: str = ""
+    sentence: str = ""
+    confidence: float | None = None
+    where: str = ""
+    # `node` is only the host part of an exporter's scrape address: a node name found elsewhere wins.
+    node_is_address: bool = False
+
+
+@dataclasses.dataclass
+class Incident:
+    """An incident as its card shows it."""
+
+    job: str
+    level: str
+    kind: str  # "hang" or "slow"
+    closed: bool
+    ended: float | None
+    culprit: Culprit | None
+    verdict: dict[str, Any]  # the drill-down's report ({} until it answered)
+    others: list[int]  # ranks the member alerts name besides the culprit
+
+
+def known(value: Any) -> str:
+    text = str(value if value is not None else "").strip()
+    return "" if text in UNKNOWN else text
+
+
+def node_of(labels: dict[str, str]) -> str:
+    """The node an alert is about, as operators name it: `node`, `hostname` or the host of `instance`."""
+    for key in ("node", "hostname"):
+        if labels.get(key):
+            return labels[key]
+    instance = labels.get("instance", "")
+    return instance.rsplit(":", 1)[0] if instance.count(":") == 1 else instance
+
+
+def from_labels(alertname: str, labels: dict[str, str]) -> Culprit | None:
+    """The culprit the rules named (None when they could not tell): a hang's ``culprit_*`` labels, a
+    slow-rank alert's own rank."""
+    if alertname in SLOW_ALERTS and known(labels.get("rank")):
+        rank = labels["rank"]
+        named = labels.get("node") or labels.get("hostname")
+        return Culprit(
+            rank, node_of(labels), "slow", SEEN["slow"].format(rank=rank), node_is_address=not named
+        )
+    rank = known(labels.get("culprit_rank"))
+    if not rank:
+        return None
+    seen = known(labels.get("culprit_seen"))
+    sentence = SEEN[seen].format(rank=rank) if seen in SEEN else ""
+    return Culprit(rank, known(labels.get("culprit_node")), seen, sentence)
+
+
+def from_verdict(report: dict[str, Any], where: str = "") -> Culprit | None:
+    """The analyzer's first suspect (None when it failed, found nothing, or is still running)."""
+    suspects = [s for s in report.get("suspects", []) if isinstance(s, dict) and "rank" in s]
+    if report.get("error") or report.get("verdict") == "healthy" or not suspects:
+        return None
+    first = suspects[0]
+    confidence = first.get("confidence")
+    return Culprit(
+        str(first["rank"]),
+        known(first.get("node") or first.get("host")),
+        str(first.get("kind", "")),
+        str(first.get("evidence", "")),
+        float(confidence) if isinstance(confidence, int | float) else None,
+        where,
+    )
+
+
+def culprit_of(
+    alerts: Iterable[tuple[str, dict[str, str]]], report: dict[str, Any], where: str = ""
+) -> Culprit | None:
+    """The rules' culprit when any member alert (name, labels) names one, completed by the analyzer's
+    evidence when it names the same rank; else the analyzer's."""
+    by_rules = next((c for c in (from_labels(*alert) for alert in alerts) if c is not None), None)
+    by_analyzer = from_verdict(report, where)
+    if by_rules is None:
+        return by_analyzer
+    if by_analyzer is not None and by_analyzer.rank == by_rules.rank:
+        address = by_rules.node_is_address or not by_rules.node
+        return dataclasses.replace(
+            by_analyzer,
+            node=by_analyzer.node if address and by_analyzer.node else by_rules.node,
+            seen=by_rules.seen or by_analyzer.seen,
+            sentence=by_analyzer.sentence or by_rules.sentence,
+        )
+    return by_rules
+
+
+def load(
+    store: Store, incident_id: int, placement: Callable[[dict[str, Any]], str] | None = None
+) -> Incident | None:
+    """The incident as its card shows it; `placement(suspect) -> str` describes where a suspect runs."""
+    row = store.incident(incident_id)
+    if row is None:
+        return None
+    members = store.incident_members(incident_id)
+    labels = [json.loads(m["labels"]) for m in members]
+    report = json.loads(row["verdict"]) if row["verdict"] else {}
+    suspects = [s for s in report.get("suspects", []) if isinstance(s, dict)]
+    where = placement(suspects[0]) if placement and suspects else ""
+    culprit = culprit_of(zip((m["alertname"] for m in members), labels, strict=True), report, where)
+    ranks = {int(lab["rank"]) for lab in labels if str(lab.get("rank", "")).isdigit()}
+    others = sorted(r for r in ranks if culprit is None or str(r) != culprit.rank)
+    slow = all(m["alertname"] in SLOW_ALERTS for m in members)
+    ends = [m["ends_at"] for m in members if m["ends_at"] is not None]
+    closed = row["closed_at"] is not None
+    return Incident(
+        row["job"], row["level"], "slow" if slow else "hang", closed, max(ends) if closed and ends else None,
+        culprit, report, others,
+    )  # fmt: skip
+
+
+def headline(incident: Incident) -> str:
+    """Who and what, for the card's title: "rank 3 hung on gpu-7 — job llm"."""
+    verb = "is slow" if incident.kind == "slow" else "hung"
+    culprit = incident.culprit
+    if culprit is None:
+        what = "has a slow rank" if incident.kind == "slow" else "hangs"
+        return f"job {incident.job} {what} — culprit not known yet"
+    where = f" on {culprit.node}" if culprit.node else ""
+    return f"rank {culprit.rank} {verb}{where} — job {incident.job}"
+
+
+def next_step(incident: Incident) -> str:
+    """What the person on call does first."""
+    culprit, job = incident.culprit, incident.job
+    node = culprit.node if culprit and culprit.node else ""
+    if incident.kind == "slow":
+        target = f"node {node}" if node else "the slow rank's node"
+        return (
+            f"Check {target} (GPU clocks, XID errors, IB links); if its hardware is at fault, drain it "
+            f"and restart job {job} from its last checkpoint."
+        )
+    if node:
+        return f"Drain node {node}, then restart job {job} from its last checkpoint."
+    return (
+        f"Find the hung rank (`megatrace analyze` on job {job}'s traces), drain its node, then restart "
+        "the job from its last checkpoint."
+    )
+
+
+def pending_text(incident: Incident) -> str:
+    """What the card says while no culprit is named."""
+    if incident.verdict.get("error"):
+        return f"not named: the drill-down failed ({incident.verdict['error']})"
+    if incident.verdict.get("verdict") == "healthy":
+        return "not named: the analyzer found no hung or slow rank in the trace data"
+    return "not known yet; the drill-down's verdict follows"
