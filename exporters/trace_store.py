@@ -27,6 +27,10 @@ class Refused(Exception):
         super().__init__(message)
         self.status = status
 
+    def __reduce__(self) -> tuple[type[Refused], tuple[int, str]]:
+        # raised in the serving process (`megatrace.exporters.trace_workers`), re-raised in the agent
+        return Refused, (self.status, str(self))
+
 
 @dataclasses.dataclass
 class RankEntry:
