@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from megatrace.config import ConfigError
 from megatrace.exporters.cli import build_collectors
 from megatrace.exporters.settings import ExporterConfig, load
 from megatrace.exporters.trace_endpoint import TraceEndpoint
+from megatrace.exporters.trace_workers import SERVE_NICE
 from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.ringfile import read_ring
 from tests.exporters.exposition import render, value
@@ -215,3 +218,39 @@ def test_configuration_refuses_an_endpoint_without_token_and_unknown_collectors(
     )
     with pytest.raises(OSError):
         build_collectors(missing)
+
+
+def _serving_pids(endpoint: TraceEndpoint) -> list[int]:
+    processes = endpoint.workers._pool._processes
+    assert processes, "the serving process is started with the endpoint"
+    return list(processes)
+
+
+def test_windows_are_cut_in_a_serving_process_of_lower_priority(endpoint: TraceEndpoint) -> None:
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3/ring?last=50")[0] == 200
+    (pid,) = _serving_pids(endpoint)
+    assert pid != os.getpid()
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + SERVE_NICE)
+
+
+def test_a_dead_serving_process_is_replaced(endpoint: TraceEndpoint) -> None:
+    path = "/v1/jobs/llm-7/ranks/2/ring?last=10"
+    assert get(endpoint, path)[0] == 200
+    (pid,) = _serving_pids(endpoint)
+    os.kill(pid, signal.SIGKILL)
+    status, body, _ = get(endpoint, path)
+    assert (status, json.loads(body)) == (503, {"error": "busy; try again"})
+    assert get(endpoint, path)[0] == 200
+    assert _serving_pids(endpoint) != [pid]
+
+
+def test_refusals_raised_in_the_serving_process_keep_their_status(trace_root: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    small = TraceEndpoint(trace_root, ("127.0.0.1", 0), token, 100, 64, 2)
+    try:
+        status, body, _ = get(small, "/v1/jobs/llm-7/dumps/rank-1.4242.0.dump")
+    finally:
+        small.close()
+    assert status == 413 and "more than the 64 served at once" in json.loads(body)["error"]
