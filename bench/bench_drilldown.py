@@ -37,9 +37,12 @@ from tests.support.services import free_port, prometheus_argv, running
 TOKEN = "bench-token-0123456789"
 
 
-def bot_side(cfg: DrilldownConfig, job: str, out: multiprocessing.Queue) -> None:
-    """What the bot does for one alert: gather from the agents, run the analyzer; figures to `out`."""
+def bot_side(cfg: DrilldownConfig, job: str, out: multiprocessing.Queue, nice: int = 0) -> None:
+    """What the bot does for one alert: gather from the agents, run the analyzer; figures to `out`.
+    `nice` lowers its priority (the bot runs on another machine than the agents in a cluster)."""
     from megatrace.alertbot.drilldown import from_agents, run_analyzer
+
+    os.nice(nice)
 
     with tempfile.TemporaryDirectory() as scratch:
         started = time.time()
@@ -93,6 +96,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--records", type=int, default=10000)
     parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument(
+        "--bot-nice", type=int, default=0, help="run the bot's side at this niceness (it and its analyzer)"
+    )
     args = parser.parse_args()
     load_at_start = f"{os.getloadavg()[0]:.1f}"
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
@@ -170,7 +176,9 @@ def main() -> None:
             ),
         )
         out: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
-        bot = multiprocessing.get_context("spawn").Process(target=bot_side, args=(cfg, "sim", out))
+        bot = multiprocessing.get_context("spawn").Process(
+            target=bot_side, args=(cfg, "sim", out, args.bot_nice)
+        )
         stop = threading.Event()
         busy: list[tuple[float, float]] = []
         watcher = threading.Thread(target=lambda: busy.extend(scrape_times(agent_metrics, 0, stop)))
@@ -198,7 +206,8 @@ def main() -> None:
         start, end = figures["gather_window"]
         serving = [wall for at, wall in busy if start <= at <= end]
         print(
-            f"load average at start {load_at_start}, at end {os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
+            f"load average at start {load_at_start}, at end {os.getloadavg()[0]:.1f} "
+            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}"
         )
         print(f"agent /metrics idle: {describe(idle_times)}")
         before, after = describe([w for _, w in idle]), describe([w for _, w in idle_after])

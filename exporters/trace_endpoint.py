@@ -243,7 +243,7 @@ class TraceEndpoint:
             case [job]:
                 return Reply(200, _json(self.job(job)))
             case [job, "ranks", rank]:
-                header = header_or_none(self.store.rank(job, rank).ring)
+                header = header_or_none(self.store.ring(job, rank))
                 if header is None:
                     raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")
                 return Reply(200, _json(dataclasses.asdict(header)))
@@ -287,7 +287,7 @@ class TraceEndpoint:
         return {"job": job, "node": self.node_name, "ranks": ranks}
 
     def ring(self, job: str, rank: str, window: Window, gzip_ok: bool) -> tuple[bytes, bool]:
-        path = self.store.rank(job, rank).ring
+        path = self.store.ring(job, rank)
         header = header_or_none(path)
         if path is None or header is None:
             raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")

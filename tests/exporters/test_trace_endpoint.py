@@ -254,3 +254,14 @@ def test_refusals_raised_in_the_serving_process_keep_their_status(trace_root: Pa
     finally:
         small.close()
     assert status == 413 and "more than the 64 served at once" in json.loads(body)["error"]
+
+
+def test_a_ranks_ring_is_found_without_listing_the_job(
+    endpoint: TraceEndpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def listing(job: str) -> None:
+        raise AssertionError("the job's folder was listed")
+
+    monkeypatch.setattr(endpoint.store, "ranks", listing)
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3/ring?last=5")[0] == 200
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3")[0] == 200
