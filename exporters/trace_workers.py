@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -57,6 +58,19 @@ def dump_reply(path: Path, last: int | None, limit: int, compress: bool) -> tupl
     return _maybe_gzip(dump_window(read_bounded(path, limit), last), compress)
 
 
+def _serving_process_start(nice: int, agent_pid: int) -> None:
+    """In the serving process: lower its priority, and end it when the agent is gone (killed outright,
+    the agent cannot stop it)."""
+    os.nice(nice)
+
+    def watch() -> None:
+        while os.getppid() == agent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+
+
 class Workers:
     """The serving process pool: started at once (the first request does not wait for it), started
     again if its process dies (that request is answered 503, which clients retry)."""
@@ -70,8 +84,8 @@ class Workers:
         pool = ProcessPoolExecutor(
             max_workers=SERVE_WORKERS,
             mp_context=multiprocessing.get_context("spawn"),
-            initializer=os.nice,
-            initargs=(SERVE_NICE,),
+            initializer=_serving_process_start,
+            initargs=(SERVE_NICE, os.getpid()),
         )
         pool.submit(os.getpid)  # spawns the process now
         return pool

@@ -8,6 +8,8 @@ import http.client
 import json
 import os
 import signal
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.ringfile import read_ring
 from tests.exporters.exposition import render, value
 from tests.support import scenarios as S
-from tests.support.services import free_port
+from tests.support.services import free_port, running
 
 TOKEN = "s3cret-trace-token"
 
@@ -265,3 +267,55 @@ def test_a_ranks_ring_is_found_without_listing_the_job(
     monkeypatch.setattr(endpoint.store, "ranks", listing)
     assert get(endpoint, "/v1/jobs/llm-7/ranks/3/ring?last=5")[0] == 200
     assert get(endpoint, "/v1/jobs/llm-7/ranks/3")[0] == 200
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_the_serving_process_ends_with_an_agent_killed_outright(trace_root: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    metrics, trace_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "megatrace.cli",
+        "exporter",
+        f"--listen=127.0.0.1:{metrics}",
+        "--collectors=traces",
+    ]
+    env = {
+        "MEGATRACE_EXPORTER_TRACE_DIR": str(trace_root),
+        "MEGATRACE_EXPORTER_TRACE_LISTEN": f"127.0.0.1:{trace_port}",
+        "MEGATRACE_EXPORTER_TRACE_TOKEN_FILE": str(token),
+    }
+    with running(argv, f"http://127.0.0.1:{metrics}/healthz", tmp_path / "agent.log", env=env) as agent:
+        deadline = time.monotonic() + 60
+        while not (children := _children(agent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the serving process (and multiprocessing's resource tracker) starting
+        assert children, "the agent started no serving process"
+        agent.kill()
+        agent.wait()
+    deadline = time.monotonic() + 60
+    while (left := [pid for pid in children if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], "processes of the killed agent are still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
