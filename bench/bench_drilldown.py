@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=10000)
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument(
+        "--parallel", type=int, default=AgentsConfig.parallel, help="drilldown.agents.parallel"
+    )
+    parser.add_argument(
         "--bot-nice", type=int, default=0, help="run the bot's side at this niceness (it and its analyzer)"
     )
     args = parser.parse_args()
@@ -172,7 +175,10 @@ def main() -> None:
             prometheus_url=prometheus,
             timeout_s=600,
             agents=AgentsConfig(
-                port=trace_port, token_file=str(tmp / "token"), records_per_rank=args.records
+                port=trace_port,
+                token_file=str(tmp / "token"),
+                records_per_rank=args.records,
+                parallel=args.parallel,
             ),
         )
         out: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
@@ -207,7 +213,7 @@ def main() -> None:
         serving = [wall for at, wall in busy if start <= at <= end]
         print(
             f"load average at start {load_at_start}, at end {os.getloadavg()[0]:.1f} "
-            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}"
+            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}, {args.parallel} requests in flight"
         )
         print(f"agent /metrics idle: {describe(idle_times)}")
         before, after = describe([w for _, w in idle]), describe([w for _, w in idle_after])
