@@ -5,9 +5,9 @@ Which agents hold the job's ranks comes from Prometheus: the ``instance`` label 
 host on ``agents.port``). Each agent is asked for the job's ranks on its node (with their node, pod,
 container and GPU), then each rank's newest ``records_per_rank`` records as a ring file, and the
 header of its newest stall dump (when the rank was seen stalled; the whole dump's newest records for a
-rank whose ring is gone), in parallel, each request with a timeout and a few
-retries. What came back is written to a folder of ring and dump files the analyzer reads as any
-trace folder; ranks whose agent is down, slow or missing them are listed with the reason.
+rank whose ring is gone), in parallel (one rank of each agent in turn), each request with a timeout
+and a few retries. What came back is written to a folder of ring and dump files the analyzer reads as
+any trace folder; ranks whose agent is down, slow or missing them are listed with the reason.
 """
 
 from __future__ import annotations
