@@ -180,6 +180,11 @@ def main() -> int:
                 )
                 for file in sorted(set(files) - set(hits)):
                     print(f"   not matched: hw_counters/{file} (source: {expected.get(file)})")
+                lines = (FIXTURES / "node_exporter_hw_names.tsv").read_text().splitlines()
+                committed = dict(line.split("\t") for line in lines if line and not line.startswith("#"))
+                print(
+                    f"tests/fixtures/sysfs/node_exporter_hw_names.tsv as the sources: {committed == expected}"
+                )
                 table = {**HW_COUNTERS, HW_LIFESPAN: "lifespan_seconds"}
                 same = [f for f, n in expected.items() if table.get(f) == n]
                 print(f"our hw_counters table vs the source's {len(expected)} files: {len(same)} same names")

@@ -162,6 +162,28 @@ def test_info_is_per_device_with_node_exporters_labels_and_port_info_per_port() 
     assert value(text, "megatrace_infiniband_port_info", device="mlx4_0", port="2", node_guid=guid) == 1
 
 
+def _node_exporter_hw_names() -> dict[str, str]:
+    lines = (FIXTURES / "node_exporter_hw_names.tsv").read_text().splitlines()
+    return dict(line.split("\t") for line in lines if line and not line.startswith("#"))
+
+
+@pytest.mark.parametrize(
+    ("fixture", "device"), [("procfs", "mlx5_0"), ("roce", "mlx5_2")], ids=["procfs-mlx5", "roce"]
+)
+def test_hw_counters_carry_node_exporters_names(fixture: str, device: str) -> None:
+    """Each hw_counters/ file node_exporter's current source knows is ours under the name it gives it."""
+    names = _node_exporter_hw_names()
+    ours = samples(render(InfinibandCollector(FIXTURES / fixture)))
+    hw_dir = next((FIXTURES / fixture).glob(f"**/infiniband/{device}/ports/1/hw_counters"))
+    known = sorted(f.name for f in hw_dir.iterdir() if f.name in names)
+    assert len(known) > 20
+    for file in known:
+        raw = int((hw_dir / file).read_text())
+        want = raw / 1000 if file == "lifespan" else raw
+        got = ours.get((f"megatrace_infiniband_{names[file]}", (("device", device), ("port", "1"))))
+        assert got == want, file
+
+
 def _only_ours(name: str) -> bool:
     """Series node_exporter 1.5 (Debian's) does not have: port identity, hw_counters/ (newer releases)."""
     hw_names = {f"megatrace_infiniband_{n}" for n in infiniband.HW_COUNTERS.values()}
