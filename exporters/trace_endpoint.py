@@ -143,7 +143,7 @@ class TraceHandler(BaseHTTPRequestHandler):
             self._json(401, {"error": "a valid bearer token is required"}, {"WWW-Authenticate": "Bearer"})
             return
         if not endpoint.slots.acquire(blocking=False):
-            self._json(503, {"error": "busy; try again"}, {"Retry-After": "1"})
+            self._json(503, {"error": "busy; try again"}, {})
             return
         gzip_ok = "gzip" in self.headers.get("Accept-Encoding", "")
         try:
@@ -166,6 +166,8 @@ class TraceHandler(BaseHTTPRequestHandler):
             body, gzipped = gzip_bytes(body), True  # small JSON answers: not worth a trip to the workers
         if gzipped:
             headers = {**(headers or {}), "Content-Encoding": "gzip"}
+        if reply.status == 503:  # busy slots, or a serving process being started again
+            headers = {**(headers or {}), "Retry-After": "1"}
         # counted before it is sent: a client that reads the agent's metrics next finds it there
         self.server.endpoint.served.add(reply.status, len(body))
         self.send_response(reply.status)

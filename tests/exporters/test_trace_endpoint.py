@@ -241,8 +241,8 @@ def test_a_dead_serving_process_is_replaced(endpoint: TraceEndpoint) -> None:
     assert get(endpoint, path)[0] == 200
     (pid,) = _serving_pids(endpoint)
     os.kill(pid, signal.SIGKILL)
-    status, body, _ = get(endpoint, path)
-    assert (status, json.loads(body)) == (503, {"error": "busy; try again"})
+    status, body, headers = get(endpoint, path)
+    assert (status, json.loads(body), headers["retry-after"]) == (503, {"error": "busy; try again"}, "1")
     assert get(endpoint, path)[0] == 200
     assert _serving_pids(endpoint) != [pid]
 
