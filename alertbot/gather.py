@@ -5,14 +5,15 @@ Which agents hold the job's ranks comes from Prometheus: the ``instance`` label 
 host on ``agents.port``). Each agent is asked for the job's ranks on its node (with their node, pod,
 container and GPU), then each rank's newest ``records_per_rank`` records as a ring file, and the
 header of its newest stall dump (when the rank was seen stalled; the whole dump's newest records for a
-rank whose ring is gone), in parallel, each request with a timeout and a few
-retries. What came back is written to a folder of ring and dump files the analyzer reads as any
-trace folder; ranks whose agent is down, slow or missing them are listed with the reason.
+rank whose ring is gone), in parallel (one rank of each agent in turn), each request with a timeout
+and a few retries. What came back is written to a folder of ring and dump files the analyzer reads as
+any trace folder; ranks whose agent is down, slow or missing them are listed with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import re
 import threading
@@ -149,6 +150,18 @@ def _save(response: requests.Response, to: Path) -> int:
     return size
 
 
+def interleave(lists: list[list[Any]]) -> list[Any]:
+    """One item of each list in turn: the fetches, in this order, spread over the agents at once instead
+    of queueing at the first ones (an agent serves `trace_max_concurrent` requests at a time and
+    answers the rest 503, to be tried again a second later)."""
+    return [
+        item for batch in itertools.zip_longest(*lists, fillvalue=_GAP) for item in batch if item is not _GAP
+    ]
+
+
+_GAP = object()
+
+
 def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) -> Gathered:
     """Fetch the job's trace data from its agents into `directory`; GatherError when there is nothing
     to ask (no agent known)."""
@@ -196,7 +209,7 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
 
     with ThreadPoolExecutor(max_workers=max(1, cfg.parallel), thread_name_prefix="gather") as pool:
         listings = dict(pool.map(listing, agents))
-        jobs = []
+        per_agent: list[list[tuple[str, dict[str, Any]]]] = []
         for host, answer in listings.items():
             expected = {rank for rank, h in hosts.items() if h == host}
             if isinstance(answer, str):
@@ -204,6 +217,7 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
                 continue
             node = str(answer.get("node", ""))
             held = set()
+            per_agent.append([])
             for item in answer.get("ranks", []):
                 rank = int(item["rank"])
                 if rank not in hosts:
@@ -212,9 +226,10 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
                 placement[rank] = {"node": node, "agent": host} | {
                     k: item[k] for k in PLACEMENT_KEYS if k in item
                 }
-                jobs.append(pool.submit(fetch, host, item))
+                per_agent[-1].append((host, item))
             for rank in expected - held:
                 no_data[rank] = f"agent {host}:{cfg.port} has no files of the rank"
+        jobs = [pool.submit(fetch, host, item) for host, item in interleave(per_agent)]
         for future in jobs:
             future.result()
     missing = {rank: why for rank, why in sorted(no_data.items()) if rank not in got}

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from megatrace.analyzer.table import OP_CODE
 
@@ -151,6 +150,8 @@ def _fast_fields(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
     Brackets and the timestamp's dot become spaces, which gives every well-formed line the same 22
     single-space-separated fields; only the numeric fields, the op name and the stream are read.
     """
+    import pandas as pd  # here, not at the top: a load of ring files alone does without its ~40 MiB
+
     if not raw.endswith(b"\n"):
         return None
     lines = raw.count(b"\n")  # blank lines, CRLF or a bad field below send the file to the other parser

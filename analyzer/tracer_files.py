@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from megatrace.analyzer.reader import Parsed, Reader, each_alone
 from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
@@ -76,6 +75,16 @@ def read_ring_file(path: Path) -> RingSnapshot:
     return RingSnapshot(header=after, records=records, communicators=communicators, taken_ns=taken_ns)
 
 
+def factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(codes, uniques) with uniques in order of first appearance, as pandas' ``factorize`` gives them
+    (pandas is not imported for this: it would add ~40 MiB to every analyzer run)."""
+    uniques, first, inverse = np.unique(values, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    code_of = np.empty(len(order), dtype=np.int64)
+    code_of[order] = np.arange(len(order))
+    return code_of[inverse.reshape(-1)], uniques[order]
+
+
 def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     """Columns of one rank's snapshot; P2P ops go to directed channels ``(comm, src, dst)``."""
     rec = snapshot.records
@@ -93,7 +102,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     )
     comms: list[tuple[object, tuple[int, ...], bool]] = []
     is_p2p = np.isin(ops, list(P2P_OPS)) & (rec["peer"] >= 0)
-    cid_index, cids = pd.factorize(rec["comm_id"])  # hashing: no sort of the records
+    cid_index, cids = factorize(rec["comm_id"])
     cid_index = cid_index.astype(np.int64)
     if is_p2p.any():
         # one int64 key per (communicator, direction): collectives keep their communicator's index,
@@ -103,7 +112,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
         dst = np.where(is_send, rec["peer"], rank).astype(np.int64)
         width = int(max(rank, int(rec["peer"].max()))) + 1
         channel = len(cids) + (cid_index * width + src) * width + dst
-        inverse, keys = pd.factorize(np.where(is_p2p, channel, cid_index))
+        inverse, keys = factorize(np.where(is_p2p, channel, cid_index))
     else:
         keys, inverse = np.arange(len(cids)), cid_index
     for key in keys.tolist():

@@ -4,7 +4,9 @@ Each agent is a real ``megatrace exporter`` (collectors tracer and traces) on it
 with its share of the ranks; a real Prometheus scrapes them. The bot's side runs in a child process
 as the bot runs it (`from_agents`: Prometheus query, parallel fetches, then the analyzer as a
 subprocess); printed: gather and analysis time, bytes fetched, peak RSS of the bot process and of the
-analyzer it ran, and one agent's /metrics scrape time idle and while the drill-down runs. Usage:
+analyzer it ran, and one agent's /metrics scrape time idle (before and after the drill-down, so a
+change in the machine's load in between shows) and while the agents serve the gather, with the load
+average at start and end (this machine may be shared). Usage:
 python bench/bench_drilldown.py [--ranks 1024] [--records 10000] [--agents 16]
 """
 
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import resource
 import statistics
 import sys
@@ -34,9 +37,12 @@ from tests.support.services import free_port, prometheus_argv, running
 TOKEN = "bench-token-0123456789"
 
 
-def bot_side(cfg: DrilldownConfig, job: str, out: multiprocessing.Queue) -> None:
-    """What the bot does for one alert: gather from the agents, run the analyzer; figures to `out`."""
+def bot_side(cfg: DrilldownConfig, job: str, out: multiprocessing.Queue, nice: int = 0) -> None:
+    """What the bot does for one alert: gather from the agents, run the analyzer; figures to `out`.
+    `nice` lowers its priority (the bot runs on another machine than the agents in a cluster)."""
     from megatrace.alertbot.drilldown import from_agents, run_analyzer
+
+    os.nice(nice)
 
     with tempfile.TemporaryDirectory() as scratch:
         started = time.time()
@@ -90,7 +96,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--records", type=int, default=10000)
     parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument(
+        "--parallel", type=int, default=AgentsConfig.parallel, help="drilldown.agents.parallel"
+    )
+    parser.add_argument(
+        "--bot-nice", type=int, default=0, help="run the bot's side at this niceness (it and its analyzer)"
+    )
     args = parser.parse_args()
+    load_at_start = f"{os.getloadavg()[0]:.1f}"
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
         t = time.perf_counter()
@@ -162,11 +175,16 @@ def main() -> None:
             prometheus_url=prometheus,
             timeout_s=600,
             agents=AgentsConfig(
-                port=trace_port, token_file=str(tmp / "token"), records_per_rank=args.records
+                port=trace_port,
+                token_file=str(tmp / "token"),
+                records_per_rank=args.records,
+                parallel=args.parallel,
             ),
         )
         out: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
-        bot = multiprocessing.get_context("spawn").Process(target=bot_side, args=(cfg, "sim", out))
+        bot = multiprocessing.get_context("spawn").Process(
+            target=bot_side, args=(cfg, "sim", out, args.bot_nice)
+        )
         stop = threading.Event()
         busy: list[tuple[float, float]] = []
         watcher = threading.Thread(target=lambda: busy.extend(scrape_times(agent_metrics, 0, stop)))
@@ -178,6 +196,7 @@ def main() -> None:
         bot.join()
         watcher.join()
         total = time.perf_counter() - t
+        idle_after = scrape_times(agent_metrics, 40)
         print(json.dumps(figures))
         if "error" in figures:
             return
@@ -189,10 +208,16 @@ def main() -> None:
             f"{f['bot_rss_mib']:.0f} MiB, the analyzer it ran {f['analyzer_rss_mib']:.0f} MiB; "
             f"verdict {f['verdict']} {f['suspects']} (injected slow rank {args.ranks // 3})"
         )
-        idle_times = [wall for _, wall in idle]
+        idle_times = [wall for _, wall in idle + idle_after]
         start, end = figures["gather_window"]
         serving = [wall for at, wall in busy if start <= at <= end]
+        print(
+            f"load average at start {load_at_start}, at end {os.getloadavg()[0]:.1f} "
+            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}, {args.parallel} requests in flight"
+        )
         print(f"agent /metrics idle: {describe(idle_times)}")
+        before, after = describe([w for _, w in idle]), describe([w for _, w in idle_after])
+        print(f"  before the drill-down {before}; after {after}")
         print(f"agent /metrics while the agents serve the gather: {describe(serving)}")
         if serving:
             ratio = statistics.median(serving) / statistics.median(idle_times)

@@ -2,11 +2,12 @@
 
 Series are ``megatrace_infiniband_*{device,port}`` with node_exporter's names after the prefix where
 node_exporter has one (so rules and dashboards move across), RoCE ``hw_counters/`` too (files
-node_exporter does not know as ``megatrace_infiniband_hw_<counter>_total``). Files that cannot be
-read or read ``N/A (no PMA)`` are skipped quietly: that series is simply absent. Only regular files are
-read, opened without blocking, so a FIFO planted in the tree cannot hang a scrape. A sysfs root that
-cannot be read fails the collector (``collector_up 0``); a readable one without ``class/infiniband``
-has no ports.
+node_exporter does not know as ``megatrace_infiniband_hw_<counter>_total``). ``_info`` is per device
+with node_exporter's labels; ``_port_info`` adds what node_exporter leaves out (link layer, node GUID).
+Files that cannot be read or read ``N/A (no PMA)`` are skipped quietly: that series is simply absent.
+Only regular files are read, opened without blocking, so a FIFO planted in the tree cannot hang a
+scrape. A sysfs root that cannot be read fails the collector (``collector_up 0``); a readable one
+without ``class/infiniband`` has no ports.
 
 Which devices, ports and attribute files exist (and the devices' identity) changes only when hardware
 or drivers do, so it is scanned once and again every `RESCAN_SECONDS`; a scrape then only re-reads
@@ -148,8 +149,8 @@ HW_COUNTERS: dict[str, str] = {
     "rx_write_requests": "rx_write_requests_total",
 }
 
-# hw_counters/ files that are settings, not counters (lifespan: how long the driver caches the values).
-HW_SETTINGS = frozenset({"lifespan"})
+# hw_counters/lifespan is a setting, not a counter: how long (ms) the driver caches the values it reads.
+HW_LIFESPAN = "lifespan"
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 READ_LIMIT = 4096
@@ -213,6 +214,11 @@ def _state_value(data: bytes) -> int | None:
 
 def _rate_value(data: bytes) -> float | None:
     return parse_rate(data.strip().decode("ascii", errors="replace"))
+
+
+def _milliseconds_as_seconds(data: bytes) -> float | None:
+    milliseconds = parse_counter(data)
+    return None if milliseconds is None else milliseconds / 1000
 
 
 def _metric_name(file_name: str) -> str:
@@ -288,6 +294,9 @@ class _Layout:
         return name if typ == "gauge" or name.endswith("_total") else f"{name}_total"
 
 
+_INFO_HELP = "HCA identity, value 1 (labels as node_exporter's node_infiniband_info)."
+_PORT_INFO_HELP = "HCA port identity, value 1; link_layer is InfiniBand, or Ethernet for RoCE."
+_LIFESPAN_HELP = "How long the driver caches hw_counters/ values; two reads within it may agree."
 _STATE_HELP = "Logical port state (1 down, 2 init, 3 armed, 4 active, 5 active defer)."
 _PHYS_STATE_HELP = (
     "Physical port state (2 polling, 3 disabled, 4 port configuration training, 5 link up, "
@@ -321,14 +330,20 @@ class _Scanner:
         text = series_text(self.layout.sample_name(family), labels)
         self.layout.attributes.append(_Attribute(str(path), fd, family, text, labels, parse, scale))
 
-    def port(self, device: str, identity: dict[str, str], port_dir: Path) -> None:
+    def constant(self, name: str, doc: str, labels: dict[str, str]) -> None:
+        """An ``_info``-style series of value 1."""
+        family = self.layout.family(name, doc, "gauge")
+        self.layout.constant.append(
+            (family, series_text(self.layout.sample_name(family), labels), labels, 1.0)
+        )
+
+    def port(self, device: str, node_guid: str, port_dir: Path) -> None:
         layout = self.layout
         labels = {"device": device, "port": port_dir.name}
-        info_labels = {**labels, **identity, "link_layer": read_text(port_dir / "link_layer") or ""}
-        info = layout.family(
-            "info", "HCA port identity; link_layer is InfiniBand, or Ethernet for RoCE.", "gauge"
+        link_layer = read_text(port_dir / "link_layer") or ""
+        self.constant(
+            "port_info", _PORT_INFO_HELP, {**labels, "link_layer": link_layer, "node_guid": node_guid}
         )
-        layout.constant.append((info, series_text(layout.sample_name(info), info_labels), info_labels, 1.0))
         self.attribute(
             port_dir / "state", layout.family("state_id", _STATE_HELP, "gauge"), labels, _state_value
         )
@@ -342,13 +357,16 @@ class _Scanner:
         self.counters(labels, port_dir / "counters_ext", LEGACY_COUNTERS, "legacy_")
         hw_dir = port_dir / "hw_counters"
         for name in _listing(hw_dir):
-            if name not in HW_SETTINGS:
-                family = layout.family(
-                    HW_COUNTERS.get(name, f"hw_{_metric_name(name)}_total"),
-                    f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
-                    "counter",
-                )
-                self.attribute(hw_dir / name, family, labels, parse_counter)
+            if name == HW_LIFESPAN:
+                lifespan = layout.family("lifespan_seconds", _LIFESPAN_HELP, "gauge")
+                self.attribute(hw_dir / name, lifespan, labels, _milliseconds_as_seconds)
+                continue
+            family = layout.family(
+                HW_COUNTERS.get(name, f"hw_{_metric_name(name)}_total"),
+                f"Driver hardware counter hw_counters/{name} of the port (RoCE/mlx5).",
+                "counter",
+            )
+            self.attribute(hw_dir / name, family, labels, parse_counter)
 
     def counters(
         self, labels: dict[str, str], directory: Path, known: dict[str, tuple[str, str]], unknown_prefix: str
@@ -391,14 +409,16 @@ class InfinibandCollector:
         for device in _listing(self.class_dir):
             device_dir = self.class_dir / device
             identity = {
+                "device": device,
                 "board_id": read_text(device_dir / "board_id") or "",
                 "firmware_version": read_text(device_dir / "fw_ver") or "",
                 "hca_type": read_text(device_dir / "hca_type") or "",
-                "node_guid": read_text(device_dir / "node_guid") or "",
             }
+            scanner.constant("info", _INFO_HELP, identity)
+            node_guid = read_text(device_dir / "node_guid") or ""
             for port in sorted(_listing(device_dir / "ports"), key=_port_number):
                 if _port_number(port) >= 0:
-                    scanner.port(device, identity, device_dir / "ports" / port)
+                    scanner.port(device, node_guid, device_dir / "ports" / port)
         return layout
 
     def collect(self) -> Iterator[FixedSeriesFamily]:

@@ -17,8 +17,9 @@ Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a
 query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
 root, 404 for an unknown job, rank or dump, 413 past the response bounds, 503 while
 ``trace_max_concurrent`` requests are being served. Bodies are gzip-compressed for clients that
-accept it. Its own series: ``megatrace_trace_endpoint_requests_total{code}`` and
-``megatrace_trace_endpoint_sent_bytes_total``.
+accept it. Windows are cut and compressed in a lower-priority process (`megatrace.exporters.
+trace_workers`), so serving a drill-down barely slows the agent's scrapes. Its own series:
+``megatrace_trace_endpoint_requests_total{code}`` and ``megatrace_trace_endpoint_sent_bytes_total``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import logging
 import os
 import socket
 import threading
-import zlib
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -42,8 +42,15 @@ from prometheus_client.core import Metric
 from megatrace.exporters.families import FamilySet
 from megatrace.exporters.podresources import PodLookup, pod_lookup
 from megatrace.exporters.settings import parse_listen
-from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none, read_bounded
-from megatrace.exporters.trace_window import Window, WindowTooLarge, dump_window, ring_window
+from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none
+from megatrace.exporters.trace_window import Window, WindowTooLarge
+from megatrace.exporters.trace_workers import (
+    GZIP_MIN_BYTES,
+    Workers,
+    dump_reply,
+    gzip_bytes,
+    ring_reply,
+)
 from megatrace.exporters.tracer_files import writer_alive
 from megatrace.logsetup import register_secret
 from megatrace.tracer.ringfile import RECORD_SIZE, RingFormatError
@@ -54,7 +61,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WINDOW_KEYS = {field.name for field in dataclasses.fields(Window)}
-GZIP_LEVEL = 1  # fast: ring records shrink about as much at level 1 as at 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """An answer: status, body, its content type, and whether the body is gzip-compressed already."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    gzipped: bool = False
 
 
 class TokenFile:
@@ -127,38 +143,41 @@ class TraceHandler(BaseHTTPRequestHandler):
             self._json(401, {"error": "a valid bearer token is required"}, {"WWW-Authenticate": "Bearer"})
             return
         if not endpoint.slots.acquire(blocking=False):
-            self._json(503, {"error": "busy; try again"}, {"Retry-After": "1"})
+            self._json(503, {"error": "busy; try again"}, {})
             return
+        gzip_ok = "gzip" in self.headers.get("Accept-Encoding", "")
         try:
-            status, body, content_type = endpoint.answer(self.path)
+            reply = endpoint.answer(self.path, gzip_ok)
         except Refused as exc:
-            status, body, content_type = exc.status, _error(str(exc)), "application/json"
+            reply = Reply(exc.status, _error(str(exc)))
         except Exception:
             log.exception("trace endpoint: %s failed", self.path[:200])
-            status, body, content_type = 500, _error("internal error; the agent's log has details"), ""
+            reply = Reply(500, _error("internal error; the agent's log has details"))
         finally:
             endpoint.slots.release()
-        self._send(status, body, content_type or "application/json")
+        self._send(reply)
 
     def _json(self, status: int, payload: dict[str, Any], headers: dict[str, str]) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json", headers)
+        self._send(Reply(status, json.dumps(payload).encode()), headers)
 
-    def _send(
-        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
-    ) -> None:
-        if len(body) > 1024 and "gzip" in self.headers.get("Accept-Encoding", ""):
-            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31)
-            body = compressor.compress(body) + compressor.flush()
+    def _send(self, reply: Reply, headers: dict[str, str] | None = None) -> None:
+        body, gzipped = reply.body, reply.gzipped
+        if not gzipped and len(body) > GZIP_MIN_BYTES and "gzip" in self.headers.get("Accept-Encoding", ""):
+            body, gzipped = gzip_bytes(body), True  # small JSON answers: not worth a trip to the workers
+        if gzipped:
             headers = {**(headers or {}), "Content-Encoding": "gzip"}
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
+        if reply.status == 503:  # busy slots, or a serving process being started again
+            headers = {**(headers or {}), "Retry-After": "1"}
+        # counted before it is sent: a client that reads the agent's metrics next finds it there
+        self.server.endpoint.served.add(reply.status, len(body))
+        self.send_response(reply.status)
+        self.send_header("Content-Type", reply.content_type)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Vary", "Accept-Encoding")
         for key, value in (headers or {}).items():
             self.send_header(key, value)
         self.end_headers()
         self.wfile.write(body)
-        self.server.endpoint.served.add(status, len(body))
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -202,14 +221,16 @@ class TraceEndpoint:
         self.node_name = node_name or os.uname().nodename
         self.pods = pods
         self.served = Served()
+        self.workers = Workers()
         self.server = TraceServer(address, self)
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="trace-endpoint", daemon=True)
         self._thread.start()
         log.info("serving trace data on %s:%d", *self.address[:2])
 
-    def answer(self, raw_path: str) -> tuple[int, bytes, str]:
-        """(status, body, content type) for a request path; Refused for what is not served."""
+    def answer(self, raw_path: str, gzip_ok: bool = False) -> Reply:
+        """The reply to a request path (a large body compressed when `gzip_ok`); Refused for what is
+        not served."""
         path, _, query = raw_path.partition("?")
         if "%" in path or "\\" in path:
             raise Refused(400, "percent-encoded or backslash characters are not accepted in paths")
@@ -220,22 +241,25 @@ class TraceEndpoint:
             raise Refused(404, "not found; the endpoint serves /v1/jobs")
         match parts[2:]:
             case []:
-                return 200, _json({"node": self.node_name, "jobs": self.store.jobs()}), ""
+                return Reply(200, _json({"node": self.node_name, "jobs": self.store.jobs()}))
             case [job]:
-                return 200, _json(self.job(job)), ""
+                return Reply(200, _json(self.job(job)))
             case [job, "ranks", rank]:
-                header = header_or_none(self.store.rank(job, rank).ring)
+                header = header_or_none(self.store.ring(job, rank))
                 if header is None:
                     raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")
-                return 200, _json(dataclasses.asdict(header)), ""
+                return Reply(200, _json(dataclasses.asdict(header)))
             case [job, "ranks", rank, "ring"]:
-                return 200, self.ring(job, rank, parse_window(query)), "application/octet-stream"
+                body, gzipped = self.ring(job, rank, parse_window(query), gzip_ok)
+                return Reply(200, body, "application/octet-stream", gzipped)
             case [job, "dumps", name]:
                 window = parse_window(query)
                 if window != Window(last=window.last):
                     raise Refused(400, "a dump is cut by last= only")
-                body = read_bounded(self.store.dump(job, name), self.max_response_bytes)
-                return 200, dump_window(body, window.last), "text/plain; charset=utf-8"
+                path = self.store.dump(job, name)
+                args = (path, window.last, self.max_response_bytes, gzip_ok)
+                body, gzipped = self.workers.run(dump_reply, *args)
+                return Reply(200, body, "text/plain; charset=utf-8", gzipped)
         raise Refused(404, "not found; see /v1/jobs")
 
     def job(self, job: str) -> dict[str, Any]:
@@ -264,20 +288,19 @@ class TraceEndpoint:
             ranks.append(item)
         return {"job": job, "node": self.node_name, "ranks": ranks}
 
-    def ring(self, job: str, rank: str, window: Window) -> bytes:
-        path = self.store.rank(job, rank).ring
+    def ring(self, job: str, rank: str, window: Window, gzip_ok: bool) -> tuple[bytes, bool]:
+        path = self.store.ring(job, rank)
         header = header_or_none(path)
         if path is None or header is None:
             raise Refused(404, f"rank {rank} of job {job!r} has no readable ring file here")
         alive = not header.finished and writer_alive(path, header)
         limit = min(self.max_records, self.max_response_bytes // RECORD_SIZE)
         try:
-            body, _ = ring_window(path, window, limit, alive)
+            return self.workers.run(ring_reply, path, window, limit, alive, gzip_ok)
         except WindowTooLarge as exc:
             raise Refused(413, str(exc)) from None
         except (RingFormatError, OSError) as exc:
             raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({exc})") from None
-        return body
 
     def collect(self) -> Iterator[Metric]:
         families = FamilySet("trace_endpoint")
@@ -296,6 +319,7 @@ class TraceEndpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.workers.close()
 
 
 def _json(payload: object) -> bytes:

@@ -7,6 +7,7 @@ must stay inside the trace root: a symlink leading out of it is refused like a `
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -26,6 +27,10 @@ class Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+    def __reduce__(self) -> tuple[type[Refused], tuple[int, str]]:
+        # raised in the serving process (`megatrace.exporters.trace_workers`), re-raised in the agent
+        return Refused, (self.status, str(self))
 
 
 @dataclasses.dataclass
@@ -98,6 +103,20 @@ class TraceStore:
         if entry is None:
             raise Refused(404, f"no rank {int(rank)} of job {job!r} on this node")
         return entry
+
+    def ring(self, job: str, rank: str) -> Path | None:
+        """The rank's ring file (None: the rank has only stall dumps here); Refused as `rank` says.
+
+        Looked up by its name first: listing the job's folder for every request would cost each one
+        time in proportion to the ranks on the node (milliseconds at 64)."""
+        if not rank.isdigit() or len(rank) > 9:
+            raise Refused(400, f"{rank[:80]!r} is not a rank number")
+        name = f"rank-{int(rank)}.trace"
+        path = self.job_dir(job) / name
+        if is_regular(path):
+            with contextlib.suppress(Refused):  # leads out of the root: as if it were not there
+                return self._inside(path, name)
+        return self.rank(job, rank).ring
 
     def dump(self, job: str, name: str) -> Path:
         if not DUMP_NAME.fullmatch(name):

@@ -6,6 +6,10 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
+import os
+import signal
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +21,12 @@ from megatrace.config import ConfigError
 from megatrace.exporters.cli import build_collectors
 from megatrace.exporters.settings import ExporterConfig, load
 from megatrace.exporters.trace_endpoint import TraceEndpoint
+from megatrace.exporters.trace_workers import SERVE_NICE
 from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.ringfile import read_ring
 from tests.exporters.exposition import render, value
 from tests.support import scenarios as S
-from tests.support.services import free_port
+from tests.support.services import free_port, running
 
 TOKEN = "s3cret-trace-token"
 
@@ -215,3 +220,102 @@ def test_configuration_refuses_an_endpoint_without_token_and_unknown_collectors(
     )
     with pytest.raises(OSError):
         build_collectors(missing)
+
+
+def _serving_pids(endpoint: TraceEndpoint) -> list[int]:
+    processes = endpoint.workers._pool._processes
+    assert processes, "the serving process is started with the endpoint"
+    return list(processes)
+
+
+def test_windows_are_cut_in_a_serving_process_of_lower_priority(endpoint: TraceEndpoint) -> None:
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3/ring?last=50")[0] == 200
+    (pid,) = _serving_pids(endpoint)
+    assert pid != os.getpid()
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + SERVE_NICE)
+
+
+def test_a_dead_serving_process_is_replaced(endpoint: TraceEndpoint) -> None:
+    path = "/v1/jobs/llm-7/ranks/2/ring?last=10"
+    assert get(endpoint, path)[0] == 200
+    (pid,) = _serving_pids(endpoint)
+    os.kill(pid, signal.SIGKILL)
+    status, body, headers = get(endpoint, path)
+    assert (status, json.loads(body), headers["retry-after"]) == (503, {"error": "busy; try again"}, "1")
+    assert get(endpoint, path)[0] == 200
+    assert _serving_pids(endpoint) != [pid]
+
+
+def test_refusals_raised_in_the_serving_process_keep_their_status(trace_root: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    small = TraceEndpoint(trace_root, ("127.0.0.1", 0), token, 100, 64, 2)
+    try:
+        status, body, _ = get(small, "/v1/jobs/llm-7/dumps/rank-1.4242.0.dump")
+    finally:
+        small.close()
+    assert status == 413 and "more than the 64 served at once" in json.loads(body)["error"]
+
+
+def test_a_ranks_ring_is_found_without_listing_the_job(
+    endpoint: TraceEndpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def listing(job: str) -> None:
+        raise AssertionError("the job's folder was listed")
+
+    monkeypatch.setattr(endpoint.store, "ranks", listing)
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3/ring?last=5")[0] == 200
+    assert get(endpoint, "/v1/jobs/llm-7/ranks/3")[0] == 200
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_the_serving_process_ends_with_an_agent_killed_outright(trace_root: Path, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    metrics, trace_port = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "megatrace.cli",
+        "exporter",
+        f"--listen=127.0.0.1:{metrics}",
+        "--collectors=traces",
+    ]
+    env = {
+        "MEGATRACE_EXPORTER_TRACE_DIR": str(trace_root),
+        "MEGATRACE_EXPORTER_TRACE_LISTEN": f"127.0.0.1:{trace_port}",
+        "MEGATRACE_EXPORTER_TRACE_TOKEN_FILE": str(token),
+    }
+    with running(argv, f"http://127.0.0.1:{metrics}/healthz", tmp_path / "agent.log", env=env) as agent:
+        deadline = time.monotonic() + 60
+        while not (children := _children(agent.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the serving process (and multiprocessing's resource tracker) starting
+        assert children, "the agent started no serving process"
+        agent.kill()
+        agent.wait()
+    deadline = time.monotonic() + 60
+    while (left := [pid for pid in children if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], "processes of the killed agent are still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
