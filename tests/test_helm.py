@@ -228,7 +228,7 @@ def test_exporter_defaults_follow_the_contract(defaults: list[dict[str, Any]]) -
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert container["resources"] == {
         "requests": {"cpu": "50m", "memory": "64Mi"},
-        "limits": {"cpu": "200m", "memory": "128Mi"},
+        "limits": {"cpu": "200m", "memory": "192Mi"},
     }
     assert pod["hostPID"] is False  # liveness comes from the ring file lock, not process ids
     assert "runtimeClassName" not in pod
