@@ -22,8 +22,6 @@ from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
 from megatrace.regular_files import open_regular
 
 HEAD_BYTES = 4096
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
-MMAP_THRESHOLD = 32 * 1024
 
 
 @dataclass
@@ -116,24 +114,12 @@ def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
     return reader, parsed.item
 
 
-def map_large_blocks_apart() -> None:
-    """Have glibc map every block of `MMAP_THRESHOLD` bytes or more apart, and unmap it when freed.
-
-    By default glibc raises that threshold as blocks are freed, up to 32 MiB; per-rank arrays (tens to
-    hundreds of KiB each) then land in its heap and stay resident once freed, where the large arrays
-    allocated next never reuse them: some 400 MiB at 1,024 ranks of 10,000 records. The setting is
-    process-wide and harmless to the analyzer; with another C library this does nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-
-
 def _parse_all(
     paths: list[str | Path], progress: bool
 ) -> tuple[dict[str, dict[str, list[object]]], LoadReport]:
     """Every readable file under `paths`, parsed: job -> format -> items (our files name their job;
     other formats name none, job "")."""
     report = LoadReport()
-    map_large_blocks_apart()
     files = find_files(paths, report)
     bar = Progress(len(files), "loading traces", progress)
     jobs: dict[str, dict[str, list[object]]] = {}
