@@ -393,7 +393,16 @@ class FeishuServer:
                             or (r.endpoint == "message" and r.key == chat)
                         )
                     ]
-                self.answer(200, {"code": 0, "msg": "success", "data": {"has_more": False, "items": items}})
+                size_text = query.get("page_size", "20")
+                if not size_text.isdigit() or not 1 <= int(size_text) <= 50:
+                    return self.reject("history", 400, 230001, "page_size must be 1 to 50")
+                token = query.get("page_token", "")
+                offset = int(token) if token.isdigit() else 0
+                end = offset + int(size_text)
+                data: dict[str, Any] = {"has_more": end < len(items), "items": items[offset:end]}
+                if end < len(items):
+                    data["page_token"] = str(end)
+                self.answer(200, {"code": 0, "msg": "success", "data": data})
 
             def urgent(self, message_id: str, kind: str, query: dict[str, str]) -> None:
                 body = self.json_body(kind)
