@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from megatrace.alertbot.grading import base_level, grade, load_policy
 from megatrace.alertbot.payload import format_time, parse_time
 from megatrace.config import ConfigError
 from tests.alertbot.conftest import Bot, alert, config, webhook
+from tests.support.feishu_server import FeishuServer, mentions
 
 T0 = 1_790_000_000.0
 
@@ -283,3 +285,26 @@ def test_webhook_nanoseconds_and_api_milliseconds_are_one_episode(tmp_path: Path
     bot.receive(webhook({**from_webhook, "startsAt": "2026-09-21T10:00:00.123Z"}), T0 + 1)
     (episode,) = bot.store.query("SELECT * FROM episodes")
     assert episode["duplicates"] == 1
+
+
+HOSTILE = "<at id=all></at> **bold** [click](https://evil.example) `x` <font color='red'>!</font>"
+
+
+def test_labels_and_annotations_ping_no_one_and_show_as_written(tmp_path: Path, feishu: FeishuServer) -> None:
+    hook = feishu.add_bot()
+    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "group_bots": {"P1": {"webhook": hook}}}))
+    hostile = alert("MegatraceSlowRank", severity="P1", job=HOSTILE, rank="3\x07")
+    hostile["annotations"] |= {"summary": HOSTILE, "description": f"see {HOSTILE}"}
+    storm = [alert("MegatraceNodeDown", severity="P1", instance=f"{HOSTILE}-{i}") for i in range(30)]
+    bot.receive(webhook(hostile, *storm), T0)
+    bot.drain()
+    cards = [post.body["card"] for post in feishu.bot_posts(hook)]
+    assert len(cards) >= 2 and [who for card in cards for who in mentions(card)] == []
+    markdown = json.dumps(
+        [e["text"]["content"] for card in cards for e in card["elements"] if e.get("tag") == "div"],
+        ensure_ascii=False,
+    )
+    assert "<" not in markdown and "**bold**" not in markdown and "[click]" not in markdown
+    assert "&#60;at id=all&#62;&#60;/at&#62; &#42;&#42;bold&#42;&#42; &#91;click&#93;" in markdown
+    assert cards[0]["header"]["title"]["content"] == f"[P1] FIRING: {HOSTILE}"  # plain_text: as written
+    assert "\x07" not in json.dumps(cards, ensure_ascii=False)

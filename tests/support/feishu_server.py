@@ -509,3 +509,20 @@ def check_message(msg_type: Any, content: Any) -> str:
     if any(not isinstance(e, dict) or "tag" not in e for e in elements):
         return "every card element needs a tag"
     return ""
+
+
+AT_TAG = re.compile(r"<at\s+(?:id|user_id|open_id|email)\s*=\s*['\"]?([^'\" >]*)", re.IGNORECASE)
+
+
+def mentions(content: Any) -> list[str]:
+    """Who a card or text message pings, as Feishu reads it: the ``<at …>`` tags of its lark_md
+    fields (cards) or of its text ("all" for everyone)."""
+    if isinstance(content, dict) and content.get("tag") == "lark_md":
+        return AT_TAG.findall(str(content.get("content", "")))
+    if isinstance(content, dict) and set(content) == {"text"}:
+        return AT_TAG.findall(str(content["text"]))
+    if isinstance(content, dict):
+        return [who for value in content.values() for who in mentions(value)]
+    if isinstance(content, list):
+        return [who for value in content for who in mentions(value)]
+    return []
