@@ -237,7 +237,7 @@ class OncallConfig:
 @dataclasses.dataclass
 class AlertbotConfig:
     listen: str = "127.0.0.1:9451"
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = 64 * 1024 * 1024
     # Seconds a client may take to send the rest of a request (and an idle keep-alive may last).
     read_timeout_s: float = 30.0
     templates_dir: str = ""
