@@ -156,6 +156,13 @@ class CardRenderer:
             candidates.append(("Silence", "danger", url))
         return [{"text": t, "type": k, "url": u} for t, k, u in candidates if u and len(u) <= MAX_URL]
 
+    def _members_button(self, storm: Any, count: int) -> list[dict]:
+        """A button to the archive sheet, where every member of the storm has a row whose event
+        reads ``firing in storm s<id>``; none when no sheet URL is configured."""
+        url = self.links.archive_sheet_url
+        text = f"All {count} on the sheet: storm s{storm['id']}"
+        return [{"text": text, "type": "default", "url": url}] if url and len(url) <= MAX_URL else []
+
     def alert_card(
         self,
         row: sqlite3.Row | dict,
@@ -221,7 +228,8 @@ class CardRenderer:
                 "summary": annotations.get("summary", "")[:budget],
                 "members": [describe(m)[: budget // 4] for m in shown],
                 "more": len(members) - len(shown),
-                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first),
+                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first)
+                + self._members_button(storm, len(members)),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
             }

@@ -145,6 +145,8 @@ class LinksConfig:
     prometheus_url: str = ""
     alertmanager_url: str = ""
     runbook_base_url: str = ""
+    # The archive sheet in Feishu's web UI: a storm card links to it for its members (all named there).
+    archive_sheet_url: str = ""
 
 
 @dataclasses.dataclass

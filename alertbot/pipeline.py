@@ -175,8 +175,8 @@ class Pipeline:
                 )
             return
         episode = self._new_episode(alert, external_url, now)
-        self.archive(episode, "firing", now)
         storm_id = self._storm_for(episode, now)
+        self.archive(episode, "firing" if storm_id is None else f"firing in storm s{storm_id}", now)
         if storm_id is not None:
             self.store.update_episode(episode["id"], storm_id=storm_id, last_notified=now)
         else:

@@ -308,3 +308,40 @@ def test_labels_and_annotations_ping_no_one_and_show_as_written(tmp_path: Path, 
     assert "&#60;at id=all&#62;&#60;/at&#62; &#42;&#42;bold&#42;&#42; &#91;click&#93;" in markdown
     assert cards[0]["header"]["title"]["content"] == f"[P1] FIRING: {HOSTILE}"  # plain_text: as written
     assert "\x07" not in json.dumps(cards, ensure_ascii=False)
+
+
+def test_every_storm_member_is_on_the_sheet_and_reachable_from_the_storm_card(
+    tmp_path: Path, feishu: FeishuServer
+) -> None:
+    hook = feishu.add_bot()
+    sheet_url = "https://example.feishu.cn/sheets/shtcn_test?sheet=s1"
+    app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret}
+    cfg = config(
+        tmp_path,
+        feishu={
+            "base_url": feishu.url,
+            "group_bots": {"P1": {"webhook": hook}},
+            "app": app,
+            "sheet": {"spreadsheet_token": "shtcn_test", "sheet_id": "s1"},
+        },
+        links={"archive_sheet_url": sheet_url},
+        dedupe={"storm_hold_s": 0},
+    )
+    bot = Bot(cfg)
+    members = [alert("MegatraceNodeDown", severity="P1", instance=f"gpu-{i}:9450") for i in range(250)]
+    bot.receive(webhook(*members), T0)
+    bot.drain()
+    bot.delivery.flush_archive()
+    [storm] = bot.store.query("SELECT id FROM storms")
+    card = [
+        p.body["card"]
+        for p in feishu.bot_posts(hook)
+        if "STORM" in p.body["card"]["header"]["title"]["content"]
+    ]
+    buttons = [b for e in card[0]["elements"] if e["tag"] == "action" for b in e["actions"]]
+    [listing] = [b for b in buttons if b["url"] == sheet_url]
+    assert f"storm s{storm['id']}" in listing["text"]["content"]
+    rows = [row for record in feishu.select("sheet") for row in record.body["valueRange"]["values"]]
+    in_storm = {row[5] for row in rows if row[3] == f"firing in storm s{storm['id']}"}
+    alone = {row[5] for row in rows if row[3] == "firing"}
+    assert in_storm | alone == {f"gpu-{i}:9450" for i in range(250)} and len(in_storm) > 200
