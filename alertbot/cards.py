@@ -18,7 +18,9 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from zoneinfo import ZoneInfo
 
 import jinja2
+import markupsafe
 
+from megatrace.alertbot import escape
 from megatrace.alertbot.config import LinksConfig
 from megatrace.alertbot.incident import Incident, next_step, pending_text
 from megatrace.alertbot.incident import headline as incident_headline
@@ -34,7 +36,26 @@ WHERE_LABELS = ("job", "rank", "instance", "node", "gpu", "device")
 
 
 def _environment(loader: jinja2.BaseLoader) -> jinja2.Environment:
-    return jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined, autoescape=False)
+    """Templates build lark_md bodies from ``{{ value }}`` expressions and emit each field through
+    ``tojson``: every expression is escaped for lark_md, save what ``tojson`` (Markup) already encoded."""
+    return jinja2.Environment(
+        loader=loader,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        finalize=lambda value: value if isinstance(value, markupsafe.Markup) else escape.lark_md(value),
+    )
+
+
+def _clean_plain_text(node: Any) -> Any:
+    """`node` (a rendered card) with every plain_text field's content escaped for plain_text."""
+    if isinstance(node, list):
+        return [_clean_plain_text(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    cleaned = {key: _clean_plain_text(value) for key, value in node.items()}
+    if cleaned.get("tag") == "plain_text" and isinstance(cleaned.get("content"), str):
+        cleaned["content"] = escape.plain_text(cleaned["content"])
+    return cleaned
 
 
 def human_duration(seconds: float) -> str:
@@ -99,12 +120,12 @@ class CardRenderer:
         """Render template `name`, preferring the user's copy; always returns a card object."""
         if self.user is not None:
             try:
-                return json.loads(self.user.get_template(name).render(context))
+                return _clean_plain_text(json.loads(self.user.get_template(name).render(context)))
             except jinja2.TemplateNotFound:
                 pass
             except (jinja2.TemplateError, json.JSONDecodeError) as exc:
                 log.error("template %s in templates_dir failed (%s); using the built-in one", name, exc)
-        return json.loads(self.builtin.get_template(name).render(context))
+        return _clean_plain_text(json.loads(self.builtin.get_template(name).render(context)))
 
     def fit(self, name: str, make_context: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
         """Render with shrinking detail (`make_context(budget)`) until the card fits the size limit."""
@@ -137,6 +158,13 @@ class CardRenderer:
                 url = silence_url(am, {k: v for k, v in labels.items() if k in ("alertname", *WHERE_LABELS)})
             candidates.append(("Silence", "danger", url))
         return [{"text": t, "type": k, "url": u} for t, k, u in candidates if u and len(u) <= MAX_URL]
+
+    def _members_button(self, storm: Any, count: int) -> list[dict]:
+        """A button to the archive sheet, where every member of the storm has a row whose event
+        reads ``firing in storm s<id>``; none when no sheet URL is configured."""
+        url = self.links.archive_sheet_url
+        text = f"All {count} on the sheet: storm s{storm['id']}"
+        return [{"text": text, "type": "default", "url": url}] if url and len(url) <= MAX_URL else []
 
     def alert_card(
         self,
@@ -212,7 +240,8 @@ class CardRenderer:
                 "summary": annotations.get("summary", "")[:budget],
                 "members": [describe(m)[: budget // 4] for m in shown],
                 "more": len(members) - len(shown),
-                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first),
+                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first)
+                + self._members_button(storm, len(members)),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
             }

@@ -145,6 +145,8 @@ class LinksConfig:
     prometheus_url: str = ""
     alertmanager_url: str = ""
     runbook_base_url: str = ""
+    # The archive sheet in Feishu's web UI: a storm card links to it for its members (all named there).
+    archive_sheet_url: str = ""
 
 
 @dataclasses.dataclass
@@ -245,7 +247,7 @@ class OncallConfig:
 @dataclasses.dataclass
 class AlertbotConfig:
     listen: str = "127.0.0.1:9451"
-    max_body_bytes: int = 8 * 1024 * 1024
+    max_body_bytes: int = 64 * 1024 * 1024
     # Seconds a client may take to send the rest of a request (and an idle keep-alive may last).
     read_timeout_s: float = 30.0
     templates_dir: str = ""

@@ -26,6 +26,7 @@ RETRY_CODES = frozenset({11232, 99991400})
 TOKEN_CODES = frozenset({99991661, 99991663, 99991665})
 QUOTA_EXHAUSTED = 230024
 BODY_LIMIT = 20 * 1024
+HISTORY_PAGE = 50  # the most Feishu's message history returns per page
 
 
 @dataclasses.dataclass
@@ -200,14 +201,23 @@ class FeishuApp:
             )
 
     def chat_messages(self, chat_id: str, start_time: float) -> SendResult:
-        """Messages in a chat since `start_time` (Unix seconds), newest last; `data.items`."""
-        return self.call(
-            "GET",
-            "/open-apis/im/v1/messages",
-            params={
-                "container_id_type": "chat",
-                "container_id": chat_id,
-                "start_time": str(int(start_time)),
-                "page_size": "50",
-            },
-        )
+        """Every message in a chat since `start_time` (Unix seconds), oldest first, in `data.items`:
+        the history is read page by page (50 at most each) until Feishu says `has_more` is false."""
+        params = {
+            "container_id_type": "chat",
+            "container_id": chat_id,
+            "start_time": str(int(start_time)),
+            "page_size": str(HISTORY_PAGE),
+        }
+        items: list[Any] = []
+        while True:
+            result = self.call("GET", "/open-apis/im/v1/messages", params=params)
+            if not result.ok:
+                return result
+            items.extend(result.data.get("items") or [])
+            token = result.data.get("page_token")
+            if not result.data.get("has_more"):
+                return dataclasses.replace(result, data={**result.data, "items": items})
+            if not token or token == params.get("page_token"):
+                return SendResult("retry", "chat history says has_more but gives no new page_token")
+            params["page_token"] = str(token)

@@ -18,6 +18,7 @@ from megatrace.alertbot.store import Store
 log = logging.getLogger(__name__)
 SYSTEM = "megatrace"  # the actor of actions the bot takes by itself
 DUE_AT_ONCE = 0.0  # what escalation queues goes out now, whatever clock decided it
+NEVER_PHONED = frozenset({"P3"})  # the lowest level: a chat or the report, never a phone
 
 
 def rotation(oncall: OncallConfig, now: float) -> list[Person]:
@@ -43,7 +44,11 @@ def roster_member(oncall: OncallConfig, open_id: str) -> Person | None:
 
 def first_call(cfg: AlertbotConfig, level: str, now: float) -> list[str]:
     """Open ids phoned when a page of `level` goes out: the primary, or everyone on the roster when
-    the level's policy says so; without a roster, the flat ``feishu.app.oncall`` list."""
+    the level's policy says so; without a roster, the flat ``feishu.app.oncall`` list. A level in
+    `NEVER_PHONED` rings no one, whatever ``phone_levels`` says: it waits in its low-priority chat
+    or the report."""
+    if level in NEVER_PHONED:
+        return []
     order = rotation(cfg.oncall, now)
     if not order:
         return list(cfg.feishu.app.oncall)

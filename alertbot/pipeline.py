@@ -178,12 +178,13 @@ class Pipeline:
                 )
             return
         episode = self._new_episode(alert, external_url, now)
-        self.archive(episode, "firing", now)
         requested = self._request_drilldown(episode, now)
         incident = self._incident_for(episode, now)
         if incident is not None and incident["lead_episode_id"] != episode["id"]:
+            self.archive(episode, "firing", now)
             return  # its incident's card is already out or queued
         storm_id = self._storm_for(episode, now)
+        self.archive(episode, "firing" if storm_id is None else f"firing in storm s{storm_id}", now)
         if storm_id is not None:
             self.store.update_episode(episode["id"], storm_id=storm_id, last_notified=now)
             return

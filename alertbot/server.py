@@ -32,6 +32,9 @@ MAX_SILENCE_S = 30 * 86400
 # Connections the kernel queues for accept(): an alert storm from an Alertmanager HA pair arrives at
 # once, and the kernel caps this at net.core.somaxconn (4096 on current kernels).
 LISTEN_BACKLOG = 4096
+# A refused body's first bytes are read for the group key Alertmanager writes near the start.
+GROUP_KEY_SCAN = 64 * 1024
+GROUP_KEY = re.compile(rb'"groupKey"\s*:\s*"((?:[^"\\]|\\.){0,2000})"')
 
 
 def authorized(header: str | None, auth: AuthConfig) -> bool:
@@ -103,7 +106,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(data)
 
-        def read_body(self) -> bytes | None:
+        def read_body(self) -> bytearray | None:
             header = self.headers.get("Content-Length")
             if header is None:
                 self.close_connection = True
@@ -115,18 +118,44 @@ def make_server(service: Service) -> ThreadingHTTPServer:
                 return None
             length = int(header)
             if length > service.cfg.max_body_bytes:
-                self.close_connection = True
-                self.reply(413, {"error": f"body larger than {service.cfg.max_body_bytes} bytes"})
+                self.refuse_too_large(length)
                 return None
+            body = bytearray(length)  # one buffer, filled in place: no chunks joined into a copy
             try:
-                body = self.rfile.read(length)
+                received = self.rfile.readinto(body) or 0
+                while 0 < received < length and (more := self.rfile.readinto(memoryview(body)[received:])):
+                    received += more
             except TimeoutError:
-                body = b""
-            if len(body) < length:
+                received = 0
+            if received < length:
                 self.close_connection = True
                 self.reply(408, {"error": f"body not received within {service.cfg.read_timeout_s:g}s"})
                 return None
             return body
+
+        def refuse_too_large(self, length: int) -> None:
+            """413 for a body over `max_body_bytes`, counted and logged with the group key its
+            first bytes name (Alertmanager writes ``groupKey`` near the start), so that what
+            Alertmanager gives up on is known; reconciliation, when on, recovers the group."""
+            self.close_connection = True
+            try:
+                head = self.rfile.read(min(length, GROUP_KEY_SCAN))
+            except TimeoutError:
+                head = b""
+            found = GROUP_KEY.search(head)
+            group = found.group(1).decode("utf-8", "replace") if found else "(not in the first bytes)"
+            service.metrics.webhooks.labels("too_large").inc()
+            log.error(
+                "refused a %d-byte request to %s over max_body_bytes %d, group key %s; %s",
+                length,
+                self.path.split("?", 1)[0],
+                service.cfg.max_body_bytes,
+                group,
+                "reconciliation will fetch its alerts"
+                if service.cfg.alertmanager.url
+                else "its alerts are lost unless alertmanager.url is set (reconciliation)",
+            )
+            self.reply(413, {"error": f"body larger than {service.cfg.max_body_bytes} bytes"})
 
         def authenticate(self) -> bool:
             if authorized(self.headers.get("Authorization"), service.cfg.auth):
@@ -165,9 +194,10 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             else:
                 self.silence(body)
 
-        def webhook(self, body: bytes) -> None:
+        def webhook(self, body: bytearray) -> None:
             try:
                 text = body.decode("utf-8")
+                del body[:]  # a large group is held once, as the text the store keeps
                 webhook = parse_webhook(text)
             except UnicodeDecodeError:
                 service.metrics.webhooks.labels("rejected").inc()

@@ -288,6 +288,11 @@ class Service:
                 max_instances=1,
                 next_run_time=datetime.now(ZoneInfo(cfg.report.timezone)),
             )
+        else:
+            log.warning(
+                "reconciliation is off (alertmanager.url unset): alerts of a webhook the bot cannot "
+                "take (a refused body, an outage longer than Alertmanager's retries) are lost"
+            )
         if cfg.feishu.sheet.spreadsheet_token:
             self.scheduler.add_job(
                 self.once_per_cluster(self.delivery.flush_archive),

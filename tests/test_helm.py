@@ -455,6 +455,7 @@ def test_alertbot_accepts_the_rendered_configuration(
     assert config.report.directory == "/var/lib/megatrace/reports"
     assert config.auth.bearer_token == "tok-1"
     assert config.drilldown.trace_roots == []
+    assert config.alertmanager.url == "http://kube-prometheus-stack-alertmanager.monitoring.svc:9093"
 
 
 def test_alertbot_accepts_configuration_from_values(

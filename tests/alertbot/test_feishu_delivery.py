@@ -244,3 +244,20 @@ def test_user_template_overrides_and_broken_template_falls_back(tmp_path: Path, 
     posts = feishu.bot_posts(hook)
     assert posts[0].body["card"]["header"]["title"]["content"] == "CUSTOM MegatraceSlowRank"
     assert posts[1].body["card"]["header"]["title"]["content"] == "[P1] STORM: 2 × MegatraceSlowRank"
+
+
+def test_p3_goes_to_its_low_priority_chat_and_never_to_a_phone(tmp_path: Path, feishu: FeishuServer) -> None:
+    app = {
+        "app_id": feishu.app_id,
+        "app_secret": feishu.app_secret,
+        "chats": {"P0": "oc_p0", "P3": "oc_low"},
+        "phone_levels": ["P0", "P3"],  # a P3 listed by mistake still rings no one
+        "oncall": ["ou_alice"],
+    }
+    cfg = config(tmp_path, feishu={"base_url": feishu.url, "app": app}, delivery={"report_only_levels": []})
+    bot = Bot(cfg)
+    bot.receive(webhook(alert(job="a"), alert("MegatraceClockSkew", severity="info", job="b")))
+    bot.drain()
+    sent = {m.key: m.message_id for m in feishu.messages()}
+    assert set(sent) == {"oc_p0", "oc_low"}
+    assert [r.key for r in feishu.select("urgent_phone")] == [sent["oc_p0"]]

@@ -242,3 +242,37 @@ def test_report_without_a_config_asks_for_the_database_not_for_credentials(tmp_p
     assert result.returncode == 1
     assert "bearer_token" not in result.stderr
     assert "alertbot.db" in result.stderr and "store.path" in result.stderr
+
+
+def big_group(count: int, description_bytes: int) -> bytes:
+    """One Alertmanager group of `count` alerts with long descriptions, as one webhook body."""
+    alerts = [alert("MegatraceNodeDown", instance=f"gpu-{i}:9450") for i in range(count)]
+    for item in alerts:
+        item["annotations"]["description"] = "x" * description_bytes
+    body = webhook(*alerts) | {"groupKey": '{}:{alertname="MegatraceNodeDown"}'}
+    return json.dumps(body).encode()
+
+
+def test_a_group_of_1100_alerts_with_8_kb_descriptions_is_taken(service: Service) -> None:
+    body = big_group(1100, 8 * 1024)
+    assert len(body) > 9_000_000
+    answer = post(service, "/alertmanager", body)
+    assert answer.status_code == 200 and answer.json() == {"status": "stored", "alerts": 1100}
+
+
+def test_a_refused_body_is_counted_and_logged_with_its_group_key(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bot = Service(config(tmp_path, max_body_bytes=100_000))
+    bot.start()
+    try:
+        assert post(bot, "/alertmanager", big_group(20, 8 * 1024)).status_code == 413
+        metrics = requests.get(f"http://127.0.0.1:{bot.port}/metrics", timeout=20).text
+    finally:
+        bot.stop()
+    assert 'megatrace_alertbot_webhooks_total{outcome="too_large"} 1.0' in metrics
+    [record] = [r for r in caplog.records if "max_body_bytes" in r.getMessage()]
+    assert record.levelname == "ERROR"
+    assert '{}:{alertname=\\"MegatraceNodeDown\\"}' in record.getMessage()
+    assert "lost unless alertmanager.url is set" in record.getMessage()
+    assert any("reconciliation is off" in r.getMessage() for r in caplog.records)

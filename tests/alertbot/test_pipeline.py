@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from megatrace.alertbot.grading import base_level, grade, load_policy
 from megatrace.alertbot.payload import format_time, parse_time
 from megatrace.config import ConfigError
 from tests.alertbot.conftest import Bot, alert, config, webhook
+from tests.support.feishu_server import FeishuServer, mentions
 
 T0 = 1_790_000_000.0
 
@@ -283,3 +285,64 @@ def test_webhook_nanoseconds_and_api_milliseconds_are_one_episode(tmp_path: Path
     bot.receive(webhook({**from_webhook, "startsAt": "2026-09-21T10:00:00.123Z"}), T0 + 1)
     (episode,) = bot.store.query("SELECT * FROM episodes")
     assert episode["duplicates"] == 1
+
+
+HOSTILE = "<at id=all></at> **bold** [click](https://evil.example) `x` <font color='red'>!</font>"
+
+
+def test_labels_and_annotations_ping_no_one_and_show_as_written(tmp_path: Path, feishu: FeishuServer) -> None:
+    hook = feishu.add_bot()
+    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "group_bots": {"P1": {"webhook": hook}}}))
+    hostile = alert("MegatraceSlowRank", severity="P1", job=HOSTILE, rank="3\x07")
+    hostile["annotations"] |= {"summary": HOSTILE, "description": f"see {HOSTILE}"}
+    storm = [alert("MegatraceNodeDown", severity="P1", instance=f"{HOSTILE}-{i}") for i in range(30)]
+    bot.receive(webhook(hostile, *storm), T0)
+    bot.drain()
+    cards = [post.body["card"] for post in feishu.bot_posts(hook)]
+    assert len(cards) >= 2 and [who for card in cards for who in mentions(card)] == []
+    markdown = json.dumps(
+        [e["text"]["content"] for card in cards for e in card["elements"] if e.get("tag") == "div"],
+        ensure_ascii=False,
+    )
+    assert "<" not in markdown and "**bold**" not in markdown and "[click]" not in markdown
+    assert "&#60;at id=all&#62;&#60;/at&#62; &#42;&#42;bold&#42;&#42; &#91;click&#93;" in markdown
+    # plain_text: as written, less control characters (the rank label carries a BEL)
+    assert cards[0]["header"]["title"]["content"] == f"[P1] FIRING: rank 3 is slow — job {HOSTILE}"
+    assert "\x07" not in json.dumps(cards, ensure_ascii=False)
+
+
+def test_every_storm_member_is_on_the_sheet_and_reachable_from_the_storm_card(
+    tmp_path: Path, feishu: FeishuServer
+) -> None:
+    hook = feishu.add_bot()
+    sheet_url = "https://example.feishu.cn/sheets/shtcn_test?sheet=s1"
+    app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret}
+    cfg = config(
+        tmp_path,
+        feishu={
+            "base_url": feishu.url,
+            "group_bots": {"P1": {"webhook": hook}},
+            "app": app,
+            "sheet": {"spreadsheet_token": "shtcn_test", "sheet_id": "s1"},
+        },
+        links={"archive_sheet_url": sheet_url},
+        dedupe={"storm_hold_s": 0},
+    )
+    bot = Bot(cfg)
+    members = [alert("MegatraceNodeDown", severity="P1", instance=f"gpu-{i}:9450") for i in range(250)]
+    bot.receive(webhook(*members), T0)
+    bot.drain()
+    bot.delivery.flush_archive()
+    [storm] = bot.store.query("SELECT id FROM storms")
+    card = [
+        p.body["card"]
+        for p in feishu.bot_posts(hook)
+        if "STORM" in p.body["card"]["header"]["title"]["content"]
+    ]
+    buttons = [b for e in card[0]["elements"] if e["tag"] == "action" for b in e["actions"]]
+    [listing] = [b for b in buttons if b["url"] == sheet_url]
+    assert f"storm s{storm['id']}" in listing["text"]["content"]
+    rows = [row for record in feishu.select("sheet") for row in record.body["valueRange"]["values"]]
+    in_storm = {row[5] for row in rows if row[3] == f"firing in storm s{storm['id']}"}
+    alone = {row[5] for row in rows if row[3] == "firing"}
+    assert in_storm | alone == {f"gpu-{i}:9450" for i in range(250)} and len(in_storm) > 200

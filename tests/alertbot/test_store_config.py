@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatrace.alertbot.config import cron_trigger, load
+from megatrace.alertbot.feishu import FeishuApp
 from megatrace.alertbot.store import MIGRATIONS, Store, StoreError
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
@@ -91,6 +92,36 @@ def test_in_doubt_group_bot_post_is_checked_in_chat_history(tmp_path: Path, feis
     assert states == {"P0": "sent", "P1": "pending"}  # P1's bot has no chat_id: re-sent (at least once)
     bot.drain()
     assert len(feishu.bot_posts(hook)) == 1 and len(feishu.bot_posts()) == 2
+
+
+def test_in_doubt_post_is_found_past_the_first_page_of_chat_history(
+    tmp_path: Path, feishu: FeishuServer
+) -> None:
+    hook = feishu.add_bot(chat_id="oc_busy")
+    app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret}
+    cfg = config(
+        tmp_path,
+        feishu={
+            "base_url": feishu.url,
+            "group_bots": {"P0": {"webhook": hook, "chat_id": "oc_busy"}},
+            "app": app,
+        },
+    )
+    bot = Bot(cfg)
+    chatter = FeishuApp(feishu.url, feishu.app_id, feishu.app_secret)
+    for i in range(60):  # a busy chat: the card lands on the second page of its history
+        assert chatter.send_message("oc_busy", "text", {"text": f"chatter {i}"}, f"chatter-{i}").ok
+    bot.receive(webhook(alert(job="a")))
+    [row] = bot.store.due_outbox(1e12)
+    message = bot.delivery.render(row, T0)
+    bot.store.begin_attempt(row["id"], T0, message)
+    assert bot.delivery.send(row, message).ok  # reached Feishu, then the process was killed
+    for i in range(60, 63):
+        assert chatter.send_message("oc_busy", "text", {"text": f"chatter {i}"}, f"chatter-{i}").ok
+    assert bot.delivery.recover() == 1
+    assert [r["state"] for r in bot.store.query("SELECT state FROM outbox")] == ["sent"]
+    bot.drain()
+    assert len(feishu.bot_posts(hook)) == 1
 
 
 def test_config_errors_name_the_key(tmp_path: Path) -> None:

@@ -395,7 +395,16 @@ class FeishuServer:
                             or (r.endpoint == "message" and r.key == chat)
                         )
                     ]
-                self.answer(200, {"code": 0, "msg": "success", "data": {"has_more": False, "items": items}})
+                size_text = query.get("page_size", "20")
+                if not size_text.isdigit() or not 1 <= int(size_text) <= 50:
+                    return self.reject("history", 400, 230001, "page_size must be 1 to 50")
+                token = query.get("page_token", "")
+                offset = int(token) if token.isdigit() else 0
+                end = offset + int(size_text)
+                data: dict[str, Any] = {"has_more": end < len(items), "items": items[offset:end]}
+                if end < len(items):
+                    data["page_token"] = str(end)
+                self.answer(200, {"code": 0, "msg": "success", "data": data})
 
             def urgent(self, message_id: str, kind: str, query: dict[str, str]) -> None:
                 body = self.json_body(kind)
@@ -515,3 +524,20 @@ def check_message(msg_type: Any, content: Any) -> str:
     if any(not isinstance(e, dict) or "tag" not in e for e in elements):
         return "every card element needs a tag"
     return ""
+
+
+AT_TAG = re.compile(r"<at\s+(?:id|user_id|open_id|email)\s*=\s*['\"]?([^'\" >]*)", re.IGNORECASE)
+
+
+def mentions(content: Any) -> list[str]:
+    """Who a card or text message pings, as Feishu reads it: the ``<at …>`` tags of its lark_md
+    fields (cards) or of its text ("all" for everyone)."""
+    if isinstance(content, dict) and content.get("tag") == "lark_md":
+        return AT_TAG.findall(str(content.get("content", "")))
+    if isinstance(content, dict) and set(content) == {"text"}:
+        return AT_TAG.findall(str(content["text"]))
+    if isinstance(content, dict):
+        return [who for value in content.values() for who in mentions(value)]
+    if isinstance(content, list):
+        return [who for value in content for who in mentions(value)]
+    return []
