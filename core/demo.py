@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import html
 import json
 import os
 import random
@@ -85,13 +86,14 @@ def prepare_state_dir(config: StackConfig) -> None:
 
 
 def card_text(message: dict[str, Any]) -> str:
-    """Every piece of text of a delivered card, header first, one per line."""
+    """Every piece of text of a delivered card, header first, one per line, as Feishu shows it (the
+    entities that escape lark_md's markup decoded)."""
     found: list[str] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             if isinstance(node.get("content"), str):
-                found.append(node["content"])
+                found.append(html.unescape(node["content"]))
             for key, value in node.items():
                 if key != "content":
                     walk(value)

@@ -6,6 +6,7 @@ Everything is derived from one `StackConfig`; nothing here starts a process.
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +82,11 @@ def write_rules(config: StackConfig, dest: Path) -> list[Path]:
 
 
 def prometheus_config(config: StackConfig, rule_files: list[Path]) -> dict[str, Any]:
-    """prometheus.yml: scrape the agent (honor_labels), node_exporter and the bot; alert to Alertmanager."""
+    """prometheus.yml: scrape the agent (honor_labels), node_exporter and the bot; alert to Alertmanager.
+    The node's series carry `node`, its name as operators know it (the chart makes `instance` the
+    Kubernetes node name to the same end), so cards name the machine rather than a scrape address."""
     host = config.host
+    node = {"node": socket.gethostname()}
     return {
         "global": {
             "scrape_interval": config.scrape_interval,
@@ -97,9 +101,12 @@ def prometheus_config(config: StackConfig, rule_files: list[Path]) -> dict[str, 
             {
                 "job_name": "megatrace",
                 "honor_labels": True,
-                "static_configs": [{"targets": [f"{host}:{config.ports.exporter}"]}],
+                "static_configs": [{"targets": [f"{host}:{config.ports.exporter}"], "labels": node}],
             },
-            {"job_name": "node", "static_configs": [{"targets": [f"{host}:{config.ports.node_exporter}"]}]},
+            {
+                "job_name": "node",
+                "static_configs": [{"targets": [f"{host}:{config.ports.node_exporter}"], "labels": node}],
+            },
             {
                 "job_name": "megatrace-alertbot",
                 "static_configs": [{"targets": [f"{host}:{config.ports.alertbot}"]}],

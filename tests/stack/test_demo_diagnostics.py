@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megatrace.alertbot.store import Store
-from megatrace.demo import bot_diagnostics
+from megatrace.demo import bot_diagnostics, card_text
 
 
 def test_diagnostics_name_stuck_drilldowns_undelivered_messages_and_log_errors(tmp_path: Path) -> None:
@@ -47,3 +47,13 @@ def test_diagnostics_without_a_bot_database_say_so(tmp_path: Path) -> None:
     assert bot_diagnostics(tmp_path) == [
         f"alert bot database: {tmp_path / 'alertbot.sqlite3'}: no alert bot database here (store.path)"
     ]
+
+
+def test_card_text_shows_escaped_markup_as_feishu_renders_it() -> None:
+    message = {
+        "card": {
+            "header": {"title": {"tag": "plain_text", "content": "[P0] FIRING: rank 2 hung"}},
+            "elements": [{"tag": "div", "text": {"tag": "lark_md", "content": "communicator &#91;0,1&#93;"}}],
+        }
+    }
+    assert card_text(message) == "[P0] FIRING: rank 2 hung\ncommunicator [0,1]"

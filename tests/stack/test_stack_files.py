@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def test_generated_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path)
     scrape = {job["job_name"]: job for job in yaml.safe_load(prom.read_text())["scrape_configs"]}
     assert scrape["megatrace"]["honor_labels"] is True
     assert scrape["megatrace"]["static_configs"][0]["targets"] == ["127.0.0.1:19450"]
+    for job in ("megatrace", "node"):  # cards name the machine, not the scrape address
+        assert scrape[job]["static_configs"][0]["labels"] == {"node": socket.gethostname()}
 
     am = alertmanager_config(config, "tok-123456")
     receiver = am["receivers"][0]["webhook_configs"][0]
