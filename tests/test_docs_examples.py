@@ -54,13 +54,15 @@ def test_fault_injection_example_brings_the_promised_alert(tmp_path: Path) -> No
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            if messages.exists() and "MegatraceRankHang" in messages.read_text(errors="replace"):
+            if messages.exists() and "MegatraceJobHang" in messages.read_text(errors="replace"):
                 break
             assert shell.poll() is None, log_path.read_text(errors="replace")[-4000:]
             time.sleep(0.5)
         else:
-            pytest.fail("no MegatraceRankHang message:\n" + log_path.read_text(errors="replace")[-4000:])
+            pytest.fail("no MegatraceJobHang message:\n" + log_path.read_text(errors="replace")[-4000:])
         assert "megatrace fault injection: hang" in log_path.read_text(errors="replace")
+        card = next(line for line in messages.read_text().splitlines() if "MegatraceJobHang" in line)
+        assert "rank 3" in card  # the page names the rank that hung
         assert shell.poll() is None  # the ranks still wait: the example's timeout outlasts the alert
     finally:
         with contextlib.suppress(ProcessLookupError):
