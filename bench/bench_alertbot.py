@@ -29,7 +29,7 @@ from tests.support.services import free_port, running
 
 TOKEN = "bench-token-0123456789"
 KINDS = [
-    ("MegatraceRankHang", "P0"),
+    ("MegatraceJobHang", "P0"),
     ("MegatraceSlowRank", "P1"),
     ("MegatraceInfinibandLinkDown", "P1"),
     ("MegatraceGpuThrottled", "P2"),

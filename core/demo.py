@@ -36,7 +36,7 @@ DEMO_SETTINGS = {"scrape_interval": "1s", "time_compression": 20, "state_dir": s
 MARKER = ".megatrace-demo"
 LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
 HEADLINE = re.compile(r"^\[P\d\] \w+: rank (?P<rank>\d+) ")
-HANG_ALERTS = ("MegatraceJobHang", "MegatraceRankHang")  # the job's verdict, or (older rules) per rank
+HANG_ALERTS = ("MegatraceJobHang",)  # the one P0 of a hung job, naming its culprit
 
 
 class DemoFailed(RuntimeError):

@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=600.0,
-        help="collective timeout in seconds (default 600: an injected hang lasts past MegatraceRankHang's "
+        help="collective timeout in seconds (default 600: an injected hang lasts past MegatraceJobHang's "
         "for: 2m before the ranks give up)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

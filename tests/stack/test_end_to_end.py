@@ -51,7 +51,7 @@ def test_hang_and_slow_rank_are_named_in_delivered_messages(tmp_path: Path) -> N
     workbook = openpyxl.load_workbook(outcome.report_path)
     detail = workbook[workbook.sheetnames[1]]
     alertnames = {cell.value for row in detail.iter_rows() for cell in row}
-    assert "MegatraceSlowRank" in alertnames and alertnames & {"MegatraceJobHang", "MegatraceRankHang"}
+    assert "MegatraceSlowRank" in alertnames and "MegatraceJobHang" in alertnames
     culprits = {row[10] for row in detail.iter_rows(min_row=2, values_only=True)}
     assert f"rank {outcome.hung_rank}" in {str(c).split(" on ")[0] for c in culprits}
 
