@@ -297,6 +297,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
         wait_for(live_stack, "megatrace:rank_wait_share:ratio_to_job_median")
         wait_for(live_stack, "megatrace:infiniband_port_transmit_wait_ratio:rate5m")
         wait_for(live_stack, "count(up == 1) == 3")
+        # and the RoCE node's own counters two scrapes in (a loaded machine may be a scrape behind)
+        wait_for(live_stack, expand("rate(megatrace_infiniband_np_cnp_packets_sent_total[$__rate_interval])"))
         yield live_stack
     for writer in writers:
         writer.close()
