@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.support.megatron_job import run_traced
 
 SEED = 20261123
 CLASSES = ("none", "hang-compute", "hang-collective", "hang-p2p", "slow-compute", "slow-comm", "slow-loader")
@@ -39,7 +41,6 @@ LAYOUTS = [
     (8, 2, 4, 1, False),
     (4, 1, 4, 2, False),
 ]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -91,22 +92,13 @@ def record(run: Run, out: Path, capacity: int = 0, capture: str = "native") -> f
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     job = [
-        sys.executable, "-m", "tests.support.megatron_job",
         f"--world={run.world}", f"--tp={run.tp}", f"--pp={run.pp}", f"--virtual={run.virtual}",
         f"--steps={run.steps}", f"--fault={run.fault}", f"--fault-rank={run.rank}",
-        f"--fault-step={run.fault_step}", f"--factor={run.factor}", f"--out={folder}", "--compute=timed",
+        f"--fault-step={run.fault_step}", f"--factor={run.factor}", "--compute=timed",
         *(["--zero"] if run.zero else []),
     ]  # fmt: skip
-    argv = [
-        sys.executable, "-m", "megatrace.cli", "trace", f"--trace-dir={folder / 'trace'}",
-        f"--job={run.name}", "--stall-ms=1500", *([f"--capacity={capacity}"] if capacity else []), "--", *job,
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
-    env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     start = time.monotonic()
-    with open(folder / "job.log", "wb") as log:
-        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    code = run_traced(folder, run.name, job, capacity, capture)
     (folder / "done").write_text(json.dumps({"exit": code, "seconds": round(time.monotonic() - start, 1)}))
     (folder / "plan.json").write_text(json.dumps(asdict(run)))
     return time.monotonic() - start

@@ -13,9 +13,10 @@ Compute is fixed work (matrix products of a set size, or with ``--compute timed`
 rank's own "accelerator", as each rank of a GPU job has), so an injected slowdown means what it says:
 ``slow-compute`` multiplies the rank's work by ``1 + factor``; ``slow-comm`` (a bad link) delays each of
 its own collectives and transfers by ``factor`` times a microbatch's compute; ``slow-loader`` sleeps that
-long before each microbatch. ``hang-compute`` blocks in the forward pass, ``hang-p2p`` before a
-pipeline send, ``hang-collective`` freezes the whole process (SIGSTOP) while it sits inside a TP
-all-reduce (as a rank stuck in a kernel). Every rank records torch's Flight Recorder
+long before each microbatch; each from the fault step on (``--fault-step``: a real GPU throttles, a
+link degrades, storage slows down in the middle of a run). ``hang-compute`` blocks in the forward
+pass, ``hang-p2p`` before a pipeline send, ``hang-collective`` freezes the whole process (SIGSTOP)
+while it sits inside a TP all-reduce (as a rank stuck in a kernel). Every rank records torch's Flight Recorder
 (``TORCH_FR_BUFFER_SIZE``) and dumps it as torch writes it (pickle, and JSON for even ranks) at the end
 or, for a hang, when the launcher asks; ``label.json`` says what was injected.
 """
@@ -36,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tests.support.services import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FAULTS = ("none", "hang-compute", "hang-collective", "hang-p2p", "slow-compute", "slow-comm", "slow-loader")
 DUMP_REQUEST = "dump-now"
@@ -73,13 +76,17 @@ class _Job:
         self.stage = self.members["pp"].index(self.rank)
         self.faulty = args.fault != "none" and self.rank == args.fault_rank
         scale = 1.0 + (0.3 if self.stage == 0 else 0.0) + (0.5 if self.stage == args.pp - 1 else 0.0)
-        self.units = max(1, round(args.work * scale))
-        if self.faulty and args.fault == "slow-compute":
-            self.units = max(self.units + 1, round(self.units * (1.0 + args.factor)))
+        self.base_units = max(1, round(args.work * scale))
+        self.slow_units = max(self.base_units + 1, round(self.base_units * (1.0 + args.factor)))
         self.delay_s = 0.0
         self.step = 0
         self.hung = False
         self.peer_delayed = False
+
+    @property
+    def units(self) -> int:
+        """This stage's work per layer and microbatch, slowed from the fault step on."""
+        return self.slow_units if self.fault_now("slow-compute") else self.base_units
 
     def burn(self, units: int) -> None:
         """Fixed compute: `units` products of two 96×96 matrices (``--compute cpu``), or `units` times
@@ -112,7 +119,7 @@ class _Job:
 
     def link(self) -> None:
         """A bad link: this rank's collectives and transfers start late."""
-        if self.delay_s and self.args.fault == "slow-comm":
+        if self.delay_s and self.fault_now("slow-comm"):
             time.sleep(self.delay_s)
 
     def tp_all_reduce(self, x):
@@ -227,7 +234,7 @@ class _Pipeline:
     def forward(self, chunk: int, m: int, x):
         """Run the forward of microbatch `m` (its input `x` received, or made on the first stage)."""
         job, torch = self.job, self.job.torch
-        if job.delay_s and job.args.fault == "slow-loader":
+        if job.delay_s and job.fault_now("slow-loader"):
             time.sleep(job.delay_s)
         if x is None:
             x = torch.full((16, WIDTH), 0.1 * (m + 1))
@@ -443,6 +450,24 @@ def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
     return code
 
 
+def run_traced(
+    folder: Path, job: str, job_args: list[str], capacity: int = 0, capture: str = "native"
+) -> int:
+    """Run the job (`job_args`: this module's options but ``--out``) under ``megatrace trace``, as a user
+    would: ring files and stall dumps in `folder`/trace/`job`; label, hang marks and Flight Recorder dumps
+    in `folder`; output in `folder`/job.log. Returns the exit code."""
+    argv = [
+        sys.executable, "-m", "megatrace.cli", "trace", f"--trace-dir={folder / 'trace'}", f"--job={job}",
+        "--stall-ms=1500", *([f"--capacity={capacity}"] if capacity else []), "--",
+        sys.executable, "-m", "tests.support.megatron_job", *job_args, f"--out={folder}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
+    env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    with open(folder / "job.log", "wb") as log:
+        return subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tests.support.megatron_job", description=__doc__)
     p.add_argument("--world", type=int, default=8)
@@ -457,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unit-ms", type=float, default=2.0, help="a timed compute unit's duration")
     p.add_argument("--fault", choices=FAULTS, default="none")
     p.add_argument("--fault-rank", type=int, default=-1)
-    p.add_argument("--fault-step", type=int, default=2, help="first step of a hang")
+    p.add_argument("--fault-step", type=int, default=2, help="first step of the fault")
     p.add_argument("--factor", type=float, default=0.0, help="slowdown: 0.1 is 10 %% slower")
     p.add_argument("--out", required=True, help="folder for label.json, hang marks and Flight Recorder dumps")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
