@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatrace.analyzer import own_time
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.table import TraceTable
 
@@ -420,6 +421,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     best: dict[int, SlowSuspect] = {}
     windows: dict[int, int] = {}
     whole: set[int] = set()
+    compared: set[int] = set()
     for window, seqs, strides in plan:
         part = []
         for i, want in seqs.items():
@@ -435,6 +437,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 part.append(
                     (c, members[rows], enq[rows][:, cols], None if done is None else done[rows][:, cols])
                 )
+                compared.update(members[rows].tolist())
         for suspect in _stragglers(part, hosts, strides, channels):
             if window and suspect.relative < WINDOW_MIN_REL:
                 continue
@@ -445,10 +448,30 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 whole.add(suspect.rank)
             if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
                 best[suspect.rank] = suspect
+    for suspect in _against_own_steps(table, compared):
+        whole.add(suspect.rank)
+        best.setdefault(suspect.rank, suspect)
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     return SlowResult(suspects, offsets, len(mats))
+
+
+def _against_own_steps(table: TraceTable, compared: set[int]) -> list[SlowSuspect]:
+    """Ranks no communicator compared with a peer (the stages of a single pipeline), judged against their
+    own earlier steps (`megatrace.analyzer.own_time`)."""
+    alone = sorted(set(np.unique(table.columns["rank"]).tolist()) - compared)
+    out = []
+    for rise in own_time.slowed_down(table, alone):
+        how = (
+            f"rank {rise.rank} spent {rise.after_ns / 1e6:.1f} ms a step outside communication from step "
+            f"{rise.step + 1} on (of {rise.steps} steps seen), against {rise.before_ns / 1e6:.1f} ms before "
+            f"(+{rise.excess:.0%} beyond the other ranks' change of {rise.others:+.0%}); no rank does its "
+            "work to compare it with, so it is compared with its own earlier steps."
+        )
+        sure = min(0.99, rise.excess / (4 * own_time.MIN_RISE)) * (rise.steps - rise.step) / rise.steps
+        out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess))
+    return out
 
 
 def _stages(table: TraceTable, layout: Layout | None) -> np.ndarray | None:
