@@ -6,8 +6,14 @@ as the bot runs it (`from_agents`: Prometheus query, parallel fetches, then the 
 subprocess); printed: gather and analysis time, bytes fetched, peak RSS of the bot process and of the
 analyzer it ran, and one agent's /metrics scrape time idle (before and after the drill-down, so a
 change in the machine's load in between shows) and while the agents serve the gather, with the load
-average at start and end (this machine may be shared). Usage:
-python bench/bench_drilldown.py [--ranks 1024] [--records 10000] [--agents 16]
+average at start and end (this machine may be shared).
+
+In a cluster each agent has its node's CPUs and the bot runs elsewhere; here 16 agents, Prometheus and
+the bot share this machine's. So that the scrape ratio measures what serving costs an agent's own
+scrapes, and not how many other nodes' work this machine stands in for, the measured agent (with its
+serving process) has CPU 0 to itself and everything else runs on the other CPUs (``--shared``: no
+pinning, everything on every CPU). Usage:
+python bench/bench_drilldown.py [--ranks 1024] [--records 10000] [--agents 16] [--shared]
 """
 
 from __future__ import annotations
@@ -102,7 +108,11 @@ def main() -> None:
     parser.add_argument(
         "--bot-nice", type=int, default=0, help="run the bot's side at this niceness (it and its analyzer)"
     )
+    parser.add_argument("--shared", action="store_true", help="no CPU of its own for the measured agent")
     args = parser.parse_args()
+    everything = os.sched_getaffinity(0)
+    pin = not args.shared and len(everything) >= 2
+    node_cpu = {min(everything)}
     load_at_start = f"{os.getloadavg()[0]:.1f}"
     with tempfile.TemporaryDirectory() as tmp_name, contextlib.ExitStack() as stack:
         tmp = Path(tmp_name)
@@ -125,6 +135,8 @@ def main() -> None:
             root.mkdir(parents=True, exist_ok=True)
             path.rename(root / path.name)
         for i, address in enumerate(addresses):
+            if pin:  # children inherit the affinity they are started with: agent 0 and its serving process
+                os.sched_setaffinity(0, node_cpu if i == 0 else everything - node_cpu)
             settings = {
                 "listen": f"{address}:{metrics_port}",
                 "collectors": ["tracer", "traces"],
@@ -213,7 +225,12 @@ def main() -> None:
         serving = [wall for at, wall in busy if start <= at <= end]
         print(
             f"load average at start {load_at_start}, at end {os.getloadavg()[0]:.1f} "
-            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}, {args.parallel} requests in flight"
+            f"({os.cpu_count()} CPUs); bot side at nice {args.bot_nice}, {args.parallel} requests in flight; "
+            + (
+                f"the measured agent alone on CPU {min(node_cpu)}, the rest on the other CPUs"
+                if pin
+                else "every process on every CPU"
+            )
         )
         print(f"agent /metrics idle: {describe(idle_times)}")
         before, after = describe([w for _, w in idle]), describe([w for _, w in idle_after])
