@@ -20,7 +20,7 @@ def build_report(
 ) -> dict:
     suspects = []
     hangs = hang.suspects
-    notes = [*table.notes, *hang.notes]
+    notes = [*table.notes, *hang.notes, *slow.notes]
     if hangs and all(s.tentative for s in hangs) and slow.suspects:
         notes += [f"not called a hang: rank {s.rank}: {s.evidence}" for s in hangs]
         hangs = []

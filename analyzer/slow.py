@@ -44,6 +44,8 @@ MIN_PERSISTENCE = 0.7
 SIG_REL = 0.05
 NET_MIN = 0.2
 MAX_PASSES = 3
+# a payload this small is a scalar (a loss, a gradient norm, a flag), not a layer's or a gradient's data
+SCALAR_BYTES = 64
 
 
 @dataclass
@@ -70,6 +72,7 @@ class SlowResult:
     suspects: list[SlowSuspect]
     skew_ns: dict[str, float] = field(default_factory=dict)
     measured: int = 0
+    notes: list[str] = field(default_factory=list)
 
 
 def rank_hosts(table: TraceTable, layout: Layout | None) -> list[str]:
@@ -418,6 +421,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     _pipeline_residuals(mats, classes)
     channels = frozenset(classes)
     stages = _stages(table, layout)
+    syncs = _step_syncs(table, stages)
     best: dict[int, SlowSuspect] = {}
     windows: dict[int, int] = {}
     whole: set[int] = set()
@@ -425,7 +429,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     for window, seqs, strides in plan:
         part = []
         for i, want in seqs.items():
-            if i not in mats:
+            if i not in mats or mats[i][0] in syncs:
                 continue
             c, members, enq, done, kept = mats[i]
             cols = np.isin(kept, want)
@@ -454,7 +458,32 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
     suspects.sort(key=lambda s: (-s.relative, s.rank))
-    return SlowResult(suspects, offsets, len(mats))
+    notes = []
+    if syncs:
+        notes.append(
+            "no rank was compared with another: the traces hold only the whole job's scalar reductions "
+            "(a loss or a norm, once a step) and no pipeline transfer, and where ranks reach those is "
+            "their place in a pipeline schedule as much as their speed (give the layout: --pp, --tp)"
+        )
+    return SlowResult(suspects, offsets, len(mats), notes)
+
+
+def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
+    """Communicators whose arrival order says nothing of speed: with no pipeline stage known and no
+    pipeline transfer in the traces, collectives that only ever carry a scalar across the whole job.
+    In a pipeline (torch's Flight Recorder on gloo records no send or receive) the first stage reaches
+    the step's loss reduction last by design; a data-parallel job shows its gradients' reductions, which
+    ranks doing the same work do reach together. Empty where any other communicator is seen."""
+    comms = table.comms
+    if stages is not None or not len(table) or any(c.p2p for c in comms):
+        return frozenset()
+    shared = [i for i, c in enumerate(comms) if len(c.members) >= 2]
+    if not shared or any(len(comms[i].members) != table.world_size for i in shared):
+        return frozenset()
+    cols = table.columns
+    if int(cols["nbytes"][np.isin(cols["comm"], shared)].max()) > SCALAR_BYTES:
+        return frozenset()
+    return frozenset(shared)
 
 
 def _against_own_steps(table: TraceTable, compared: set[int]) -> list[SlowSuspect]:

@@ -97,3 +97,17 @@ def test_a_single_pipeline_whose_first_stage_ends_each_step_last_is_healthy(runs
     report = analyze([runs / ARCHIVES[1] / "000-none" / "trace"])
     assert report["layout_inferred"]["pp"] == 4
     assert report["verdict"] == "healthy"
+
+
+def test_torch_dumps_of_a_single_pipeline_are_not_read_as_its_first_stage_being_slow(tmp_path):
+    """``tests/fixtures/fr_single_pipeline.tar.gz``: torch's own dumps (gloo, 12 steps) of a healthy
+    single pipeline of four stages. Gloo's Flight Recorder keeps no send or receive, so all it shows is
+    the step's loss all-reduce over the whole job, which the first stage reaches last every step by
+    design: no rank is compared there, and the report says why."""
+    with tarfile.open(FIXTURES / "fr_single_pipeline.tar.gz") as archive:
+        archive.extractall(tmp_path, filter="data")
+    dumps = tmp_path / "000-none" / "fr"
+    for layout in (None, LayoutConfig(world_size=4, tp=1, pp=4)):
+        report = analyze([dumps], layout)
+        assert report["verdict"] == "healthy" and not report["suspects"]
+    assert any("no rank was compared with another" in note for note in analyze([dumps])["notes"])
