@@ -43,6 +43,10 @@ MIN_PERSISTENCE = 0.7
 # more than `SIG_REL` of the call interval in `NET_MIN` more of the instances than it is early by as much.
 SIG_REL = 0.05
 NET_MIN = 0.2
+# ...or late less often (a data loader holds up one collective of a microbatch's dozens) but by enough
+# that its peers wait for it `MEAN_REL` of the call interval on average, in `NET_MIN / 2` more instances
+MEAN_REL = 0.01
+TRIM = 0.05  # the mean lateness leaves out this share of each member's instances at either end
 MAX_PASSES = 3
 # a payload this small is a scalar (a loss, a gradient norm, a flag), not a layer's or a gradient's data
 SCALAR_BYTES = 64
@@ -55,6 +59,7 @@ class CommLateness:
     late_ns: np.ndarray  # median lateness per member
     persistence: np.ndarray  # share of instances arriving after the median
     net: np.ndarray  # share of instances late by `SIG_REL` of the interval, less the share early by as much
+    mean_ns: np.ndarray  # trimmed mean lateness per member (`TRIM`)
     interval_ns: float
     instances: int
 
@@ -254,8 +259,11 @@ def comm_lateness(
         interval = max(interval / (strides or {}).get(c, 1), 1.0)
         big = SIG_REL * interval
         net = (late >= big).mean(axis=1) - (late <= -big).mean(axis=1)
+        cut = int(TRIM * late.shape[1])
+        mean = np.sort(late, axis=1)[:, cut : late.shape[1] - cut].mean(axis=1)
         if unmasked.sum() == 1:  # its own median: the one member left says nothing of itself
             net[unmasked] = np.nan
+            mean[unmasked] = np.nan
         out.append(
             CommLateness(
                 c,
@@ -263,6 +271,7 @@ def comm_lateness(
                 np.median(late, axis=1),
                 (late > 0).mean(axis=1),
                 net,
+                mean,
                 interval,
                 t.shape[1],
             )
@@ -276,17 +285,24 @@ class _Seen(NamedTuple):
     rel: float  # median lateness, relative to the call interval
     pers: float  # share of instances after the median
     net: float  # share of instances clearly late, less the share clearly early (`SIG_REL`)
+    mean: float  # trimmed mean lateness, relative to the call interval
     cl: CommLateness
 
     @property
     def late(self) -> bool:
-        """Late here: most of the time by a margin, or clearly late in a good share of instances."""
-        return (self.rel >= MIN_REL and self.pers >= MIN_PERSISTENCE) or self.net >= NET_MIN
+        """Late here: most of the time by a margin, or clearly late often enough."""
+        return (self.rel >= MIN_REL and self.pers >= MIN_PERSISTENCE) or self.clearly_late
+
+    @property
+    def clearly_late(self) -> bool:
+        """Late by a wide margin in a good share of instances, or in fewer but by enough that the
+        others wait for it `MEAN_REL` of the call interval on average."""
+        return self.net >= NET_MIN or (self.net >= NET_MIN / 2 and self.mean >= MEAN_REL)
 
     @property
     def waits(self) -> bool:
-        """Clearly early in a good share of instances: the member waits here for another."""
-        return self.net <= -NET_MIN
+        """Clearly early as often (the same measures, mirrored): the member waits here for another."""
+        return self.net <= -NET_MIN or (self.net <= -NET_MIN / 2 and self.mean <= -MEAN_REL)
 
 
 @dataclass
@@ -300,7 +316,7 @@ class _Round:
     channels: frozenset[int]  # pipeline channels among the communicators
     clearly: set[
         int
-    ]  # ranks clearly late in a communicator they are judged in (`_Seen.net`), waiting nowhere
+    ]  # ranks clearly late in a communicator they are judged in (`_Seen.clearly_late`), waiting nowhere
 
 
 def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
@@ -309,7 +325,11 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
         rel = cl.late_ns / cl.interval_ns
         for i, m in enumerate(cl.members.tolist()):
             late.setdefault(m, {})[cl.comm] = _Seen(
-                float(rel[i]), float(cl.persistence[i]), float(cl.net[i]), cl
+                float(rel[i]),
+                float(cl.persistence[i]),
+                float(cl.net[i]),
+                float(cl.mean_ns[i] / cl.interval_ns),
+                cl,
             )
     is_late = {m: {c for c, seen in comms.items() if seen.late} for m, comms in late.items()}
     # communicators inside one host share a clock: lateness there needs no skew correction, so a rank
@@ -320,7 +340,7 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
     rnd.clearly = {
         m
         for m, comms in judged.items()
-        if any(late[m][c].net >= NET_MIN for c in comms - channels) and not _waits(m, rnd)
+        if any(late[m][c].clearly_late for c in comms - channels) and not _waits(m, rnd)
     }
     return rnd
 
@@ -394,11 +414,12 @@ def _straggler(m: int, rnd: _Round) -> SlowSuspect:
             f"a communicator of {len(cl.members)} ranks)."
         )
     else:
-        rel, sure = shown.net * SIG_REL, min(1.0, shown.net / (2 * NET_MIN))
+        rel, sure = max(shown.net * SIG_REL, shown.mean), min(1.0, shown.net / (2 * NET_MIN))
         how = (
             f"rank {m} arrived over {SIG_REL:.0%} of the call interval after the median in "
-            f"{shown.net:.0%} more of {cl.instances} collectives than it arrived as early (on a "
-            f"communicator of {len(cl.members)} ranks), and waited in no {where}communicator it is in."
+            f"{shown.net:.0%} more of {cl.instances} collectives than it arrived as early, "
+            f"{shown.mean:.1%} of the interval late on average (on a communicator of {len(cl.members)} "
+            f"ranks), and waited in no {where}communicator it is in."
         )
     return SlowSuspect(m, round(float(np.clip(sure * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2), how, rel)
 
