@@ -7,6 +7,12 @@ issued, provided that call is among its last few records. A blocked rank waits f
 never issued its call. Ranks waited on that are not blocked themselves (busy in compute, or dead)
 are the culprits; blocked ranks are victims. A call every member issued and none completed means
 the communication itself is stuck. Ranks waiting on each other in a cycle are a deadlock.
+
+Flight Recorder dumps are written on request by every live process (the launcher's or the watchdog's
+call): a rank waited on that wrote none stopped or died, and one that wrote its dump was alive. Where
+such a dump records no pipeline send or receive (gloo's keeps none), a rank that answered but never
+issued the call its peers wait in may itself wait in a transfer the dumps do not show, so the rank
+that left no dump is named first.
 """
 
 from __future__ import annotations
@@ -246,9 +252,30 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                 )
     if not suspects and waits:
         suspects.extend(_deadlock(table, waits, blocked))
+    _answered_the_dump(table, suspects)
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
     return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s))
+
+
+def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:
+    """In Flight Recorder dumps with no pipeline transfer, rank a waited-on rank that wrote no dump
+    above the ones that wrote theirs and never issued the call (see the module's docstring)."""
+    dumps = table.ranks and all(info.fmt == "flight-recorder" for info in table.ranks.values())
+    silent = [s for s in suspects if s.cause == "no_log"]
+    if not dumps or not silent or any(c.p2p for c in table.comms):
+        return
+    for s in silent:
+        s.confidence = 0.9
+        s.evidence += " Every other rank wrote its dump when asked: this one stopped or died."
+    for s in suspects:
+        if s.cause == "rank_missing":
+            s.confidence = min(s.confidence, 0.6)
+            s.evidence += (
+                " It wrote its dump, so it was alive: it may wait in a send or receive these dumps do "
+                "not record."
+            )
+    suspects.sort(key=lambda s: -s.confidence)
 
 
 def _silent_ranks(table: TraceTable, stall_s: float) -> dict[int, float]:

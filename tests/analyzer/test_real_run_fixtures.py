@@ -99,15 +99,34 @@ def test_a_single_pipeline_whose_first_stage_ends_each_step_last_is_healthy(runs
     assert report["verdict"] == "healthy"
 
 
-def test_torch_dumps_of_a_single_pipeline_are_not_read_as_its_first_stage_being_slow(tmp_path):
-    """``tests/fixtures/fr_single_pipeline.tar.gz``: torch's own dumps (gloo, 12 steps) of a healthy
-    single pipeline of four stages. Gloo's Flight Recorder keeps no send or receive, so all it shows is
-    the step's loss all-reduce over the whole job, which the first stage reaches last every step by
+@pytest.fixture(scope="module")
+def torch_dumps(tmp_path_factory) -> Path:
+    """``tests/fixtures/torch_fr_dumps.tar.gz``: torch's own Flight Recorder dumps (gloo, 12 steps) of
+    two corpus runs: a healthy single pipeline of four stages (000-none), and a TP 2 × PP 2 × DP 2 job
+    whose rank 5 froze inside a TP all-reduce (023-hang-collective: it wrote no dump)."""
+    root = tmp_path_factory.mktemp("torch_dumps")
+    with tarfile.open(FIXTURES / "torch_fr_dumps.tar.gz") as archive:
+        archive.extractall(root, filter="data")
+    return root
+
+
+def test_torch_dumps_of_a_single_pipeline_are_not_read_as_its_first_stage_being_slow(torch_dumps):
+    """Gloo's Flight Recorder keeps no send or receive, so all it shows of a single pipeline is the
+    step's loss all-reduce over the whole job, which the first stage reaches last every step by
     design: no rank is compared there, and the report says why."""
-    with tarfile.open(FIXTURES / "fr_single_pipeline.tar.gz") as archive:
-        archive.extractall(tmp_path, filter="data")
-    dumps = tmp_path / "000-none" / "fr"
+    dumps = torch_dumps / "000-none" / "fr"
     for layout in (None, LayoutConfig(world_size=4, tp=1, pp=4)):
         report = analyze([dumps], layout)
         assert report["verdict"] == "healthy" and not report["suspects"]
     assert any("no rank was compared with another" in note for note in analyze([dumps])["notes"])
+
+
+def test_the_rank_that_wrote_no_dump_is_named_before_ranks_that_may_wait_in_a_transfer(torch_dumps):
+    """Stage 0 (ranks 0, 1) never issued its DP all-reduce: it waits in a pipeline receive the dumps do
+    not record, behind the frozen rank 5, the only rank that did not answer the dump request."""
+    report = analyze([torch_dumps / "023-hang-collective" / "fr"], LayoutConfig(world_size=8, tp=2, pp=2))
+    assert report["verdict"] == "hang"
+    first, *others = report["suspects"]
+    assert (first["rank"], first["cause"]) == (5, "no_log") and "stopped or died" in first["evidence"]
+    assert {s["rank"] for s in others} == {0, 1}
+    assert all("it was alive" in s["evidence"] and s["confidence"] < first["confidence"] for s in others)
