@@ -109,7 +109,7 @@ def own_time_matrix(table: TraceTable, ranks: list[int]) -> tuple[np.ndarray, np
     cols = table.columns
     per_rank = []
     for rank in ranks:
-        rows = cols["rank"] == rank
+        rows = slice(*table.rank_span(rank))
         ends_step = cols["comm"][rows] == marker
         enq, done, seq = cols["enqueue_ns"][rows], cols["complete_ns"][rows], cols["seq"][rows]
         per_rank.append(own_times(enq, done, seq, ends_step))

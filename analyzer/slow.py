@@ -510,7 +510,7 @@ def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
 def _against_own_steps(table: TraceTable, compared: set[int]) -> list[SlowSuspect]:
     """Ranks no communicator compared with a peer (the stages of a single pipeline), judged against their
     own earlier steps (`megatrace.analyzer.own_time`)."""
-    alone = sorted(set(np.unique(table.columns["rank"]).tolist()) - compared)
+    alone = sorted(set(table.ranks) - compared)
     out = []
     for rise in own_time.slowed_down(table, alone):
         how = (
