@@ -473,7 +473,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 whole.add(suspect.rank)
             if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
                 best[suspect.rank] = suspect
-    for suspect in _against_own_steps(table, compared):
+    for suspect in _against_own_steps(table, layout, compared):
         whole.add(suspect.rank)
         best.setdefault(suspect.rank, suspect)
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
@@ -507,17 +507,28 @@ def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
     return frozenset(shared)
 
 
-def _against_own_steps(table: TraceTable, compared: set[int]) -> list[SlowSuspect]:
-    """Ranks no communicator compared with a peer (the stages of a single pipeline), judged against their
-    own earlier steps (`megatrace.analyzer.own_time`)."""
-    alone = sorted(set(table.ranks) - compared)
+def _against_own_steps(table: TraceTable, layout: Layout | None, compared: set[int]) -> list[SlowSuspect]:
+    """Ranks judged against their own earlier steps (`megatrace.analyzer.own_time`): those no
+    communicator compared with a peer (the stages of a single pipeline), and every rank of a job with
+    one pipeline of several stages: there the only peers are a stage's tensor-parallel ranks, which wait
+    for each other at every all-reduce, so a slower one is late there by a sliver of the call interval
+    (the pipeline's waits make the interval long) and no replica of its stage shows what its transfers
+    should take."""
+    ranks = set(table.ranks)
+    one_pipeline = layout is not None and layout.sizes.get("pp", 1) >= 2 and layout.sizes.get("dp", 1) == 1
+    judged = sorted(ranks if one_pipeline else ranks - compared)
     out = []
-    for rise in own_time.slowed_down(table, alone):
+    for rise in own_time.slowed_down(table, judged):
+        why = (
+            "no rank does its work to compare it with"
+            if rise.rank not in compared
+            else "the job has one pipeline"
+        )
         how = (
             f"rank {rise.rank} spent {rise.after_ns / 1e6:.1f} ms a step outside communication from step "
             f"{rise.step + 1} on (of {rise.steps} steps seen), against {rise.before_ns / 1e6:.1f} ms before "
-            f"(+{rise.excess:.0%} beyond the other ranks' change of {rise.others:+.0%}); no rank does its "
-            "work to compare it with, so it is compared with its own earlier steps."
+            f"(+{rise.excess:.0%} beyond the other ranks' change of {rise.others:+.0%}); {why}, so it is "
+            "compared with its own earlier steps."
         )
         sure = min(0.99, rise.excess / (4 * own_time.MIN_RISE)) * (rise.steps - rise.step) / rise.steps
         out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess))

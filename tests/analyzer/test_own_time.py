@@ -8,7 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from megatrace.analyzer.layout import LayoutConfig, resolve
+from megatrace.analyzer.loader import load
 from megatrace.analyzer.own_time import MIN_RISE, noise, own_times, rises
+from megatrace.analyzer.slow import _against_own_steps
 from megatrace.cli import main
 from tests.support.megatron_job import run_traced
 
@@ -126,3 +129,21 @@ def test_a_real_healthy_single_pipeline_reads_healthy(tmp_path, analyze_json):
     for flags in ([], ["--pp", "4"]):
         code, report = analyze_json(ring, *flags)
         assert (code, report["verdict"]) == (0, "healthy"), (flags, report["suspects"][:2])
+
+
+def test_every_rank_of_a_job_with_one_pipeline_is_also_judged_against_its_own_steps(tmp_path):
+    """TP 2 × PP 2, one replica: a tensor rank 10 % slower from step 2 is late at its TP all-reduces by
+    a sliver of their interval, so the own-time rule judges every rank there, and names it; with
+    data-parallel replicas (a layout with DP 2) it judges only ranks nothing compared."""
+    fault = ["--fault=slow-compute", "--fault-rank=3", "--fault-step=2", "--factor=0.1"]
+    folder = tmp_path / "tp2pp2"
+    folder.mkdir()
+    job = ["--world=4", "--tp=2", "--pp=2", "--steps=9", "--compute=timed", *fault]
+    assert run_traced(folder, "tp2pp2", job) == 0, (folder / "job.log").read_text()[-2000:]
+    table, _ = load([folder / "trace" / "tp2pp2"])
+    everyone = set(range(4))
+    one_pipeline = resolve(LayoutConfig(world_size=4, tp=2, pp=2))
+    named = _against_own_steps(table, one_pipeline, compared=everyone)
+    assert [s.rank for s in named] == [3]
+    assert "the job has one pipeline" in named[0].evidence and named[0].relative > MIN_RISE
+    assert _against_own_steps(table, resolve(LayoutConfig(world_size=4, tp=2, pp=1)), everyone) == []
