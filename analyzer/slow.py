@@ -121,14 +121,16 @@ def _comms(table: TraceTable, channels: frozenset[int] = frozenset()):
     key = comm[keep]
     key = key.astype(np.int16) if len(table.comms) < 32767 else key
     order = keep[np.argsort(key, kind="stable")]
+    counts = np.bincount(key, minlength=len(table.comms))
+    del keep, key
     # the needed columns once in communicator order: every communicator is then one contiguous slice
-    c_rank, c_seq, c_comm = cols["rank"][order], cols["seq"][order], comm[order]
+    c_rank, c_seq = cols["rank"][order], cols["seq"][order]
     c_enq, c_done = cols["enqueue_ns"][order], cols["complete_ns"][order]
     del order
     t0 = int(c_enq.min())
-    bounds = [0, *(np.flatnonzero(np.diff(c_comm)) + 1).tolist(), len(c_comm)]
-    for lo, hi in itertools.pairwise(bounds):
-        c = int(c_comm[lo])
+    present = np.flatnonzero(counts)
+    ends = np.cumsum(counts[present])
+    for c, lo, hi in zip(present.tolist(), (ends - counts[present]).tolist(), ends.tolist(), strict=True):
         members = np.asarray(table.comms[c].members, dtype=np.int64)
         seq = c_seq[lo:hi]
         if len(seq) < MIN_INSTANCES * len(members):
