@@ -475,11 +475,13 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 whole.add(suspect.rank)
             if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
                 best[suspect.rank] = suspect
-    for suspect in _against_own_steps(table, layout, compared):
+    for suspect in _against_own_steps(table, set(table.ranks) - compared, compared):
         whole.add(suspect.rank)
         best.setdefault(suspect.rank, suspect)
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
+    if not suspects and _one_pipeline(layout):
+        suspects = _against_own_steps(table, set(table.ranks), compared)
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     notes = []
     if syncs:
@@ -509,18 +511,22 @@ def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
     return frozenset(shared)
 
 
-def _against_own_steps(table: TraceTable, layout: Layout | None, compared: set[int]) -> list[SlowSuspect]:
-    """Ranks judged against their own earlier steps (`megatrace.analyzer.own_time`): those no
-    communicator compared with a peer (the stages of a single pipeline), and every rank of a job with
-    one pipeline of several stages: there the only peers are a stage's tensor-parallel ranks, which wait
-    for each other at every all-reduce, so a slower one is late there by a sliver of the call interval
-    (the pipeline's waits make the interval long) and no replica of its stage shows what its transfers
-    should take."""
-    ranks = set(table.ranks)
-    one_pipeline = layout is not None and layout.sizes.get("pp", 1) >= 2 and layout.sizes.get("dp", 1) == 1
-    judged = sorted(ranks if one_pipeline else ranks - compared)
+def _one_pipeline(layout: Layout | None) -> bool:
+    """A job with one pipeline of several stages: a stage's only peers are its tensor-parallel ranks,
+    which wait for each other at every all-reduce, so a slower one is late there by a sliver of the call
+    interval (the pipeline's waits make the interval long), and no replica of its stage shows what its
+    transfers should take. Where comparing finds nobody, every rank is judged against its own steps."""
+    return layout is not None and layout.sizes.get("pp", 1) >= 2 and layout.sizes.get("dp", 1) == 1
+
+
+def _against_own_steps(table: TraceTable, ranks: set[int], compared: set[int]) -> list[SlowSuspect]:
+    """`ranks` judged against their own earlier steps (`megatrace.analyzer.own_time`): those no
+    communicator compared with a peer (the stages of a single pipeline) always, and every rank of a job
+    with one pipeline where comparing found nobody (`_one_pipeline`). Evidence from peers comes first:
+    a rank that waits where the traces do not show (a receive whose completion is not seen as a wait)
+    can look busier than before."""
     out = []
-    for rise in own_time.slowed_down(table, judged):
+    for rise in own_time.slowed_down(table, sorted(ranks)):
         why = (
             "no rank does its work to compare it with"
             if rise.rank not in compared

@@ -11,7 +11,7 @@ import pytest
 from megatrace.analyzer.layout import LayoutConfig, resolve
 from megatrace.analyzer.loader import load
 from megatrace.analyzer.own_time import MIN_RISE, noise, own_times, rises
-from megatrace.analyzer.slow import _against_own_steps
+from megatrace.analyzer.slow import _against_own_steps, _one_pipeline
 from megatrace.cli import main
 from tests.support.megatron_job import run_traced
 
@@ -131,11 +131,12 @@ def test_a_real_healthy_single_pipeline_reads_healthy(tmp_path, analyze_json):
         assert (code, report["verdict"]) == (0, "healthy"), (flags, report["suspects"][:2])
 
 
-def test_every_rank_of_a_job_with_one_pipeline_is_also_judged_against_its_own_steps(tmp_path):
+def test_every_rank_of_a_job_with_one_pipeline_can_be_judged_against_its_own_steps(tmp_path):
     """TP 2 × PP 2, one replica: a tensor rank slower from step 2 is late at its TP all-reduces by a
-    sliver of their interval (at 10 % in the corpus, too little to name it there), so the own-time rule
-    judges every rank of such a job, and names it; with data-parallel replicas (a layout with DP 2) it
-    judges only ranks nothing compared. (50 % here: the test must hold on a loaded machine.)"""
+    sliver of their interval (at 10 % in the corpus, too little to name it there), so where comparing
+    finds nobody every rank of such a job is judged against its own steps, and the slow one is named;
+    a layout with data-parallel replicas (DP 2) has peers for that. (50 % here: the test must hold on a
+    loaded machine.)"""
     fault = ["--fault=slow-compute", "--fault-rank=3", "--fault-step=2", "--factor=0.5"]
     folder = tmp_path / "tp2pp2"
     folder.mkdir()
@@ -143,8 +144,8 @@ def test_every_rank_of_a_job_with_one_pipeline_is_also_judged_against_its_own_st
     assert run_traced(folder, "tp2pp2", job) == 0, (folder / "job.log").read_text()[-2000:]
     table, _ = load([folder / "trace" / "tp2pp2"])
     everyone = set(range(4))
-    one_pipeline = resolve(LayoutConfig(world_size=4, tp=2, pp=2))
-    named = _against_own_steps(table, one_pipeline, compared=everyone)
+    assert _one_pipeline(resolve(LayoutConfig(world_size=4, tp=2, pp=2)))
+    assert not _one_pipeline(resolve(LayoutConfig(world_size=4, tp=1, pp=2)))
+    named = _against_own_steps(table, everyone, compared=everyone)
     assert [s.rank for s in named] == [3], named
     assert "the job has one pipeline" in named[0].evidence and named[0].relative > MIN_RISE
-    assert _against_own_steps(table, resolve(LayoutConfig(world_size=4, tp=2, pp=1)), everyone) == []
