@@ -19,8 +19,8 @@ A rank whose own time rose by `MIN_RISE` or more from some step on, in most step
 before, while the other ranks' stayed level, slowed down there. The rise must also stand well clear
 of the job's step-to-step noise (`NOISE_SIGMAS` times it): where compute shares a machine with other
 work, a stage's own time can swing by tens of percent from step to step, and a run of high steps is
-chance. A rank slow from its first step on
-cannot be told from a stage heavier by design, and is not named.
+chance. A rank slow from its first step on cannot be told from a stage heavier by design, and is not
+named.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def own_times(enq: np.ndarray, done: np.ndarray, seq: np.ndarray, ends_step: np.
     return out
 
 
-def own_time_matrix(table: TraceTable, ranks: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(ranks × steps own times, the steps' marker sequence numbers) over the steps every rank has."""
+def own_time_matrix(table: TraceTable, ranks: list[int]) -> np.ndarray | None:
+    """Own times, ranks × steps, over the steps every rank has (None: too few of them)."""
     marker = step_marker(table, set(ranks))
     if marker is None:
         return None
@@ -116,7 +116,7 @@ def own_time_matrix(table: TraceTable, ranks: list[int]) -> tuple[np.ndarray, np
     steps = sorted(set.intersection(*(set(s) for s in per_rank))) if per_rank else []
     if len(steps) < 1 + MIN_AFTER:
         return None
-    return np.array([[s[k] for k in steps] for s in per_rank]), np.array(steps)
+    return np.array([[s[k] for k in steps] for s in per_rank])
 
 
 def noise(times: np.ndarray, split: int) -> float:
@@ -153,14 +153,12 @@ def rises(times: np.ndarray) -> dict[int, Rise]:
 
 
 def slowed_down(table: TraceTable, ranks: list[int]) -> list[Rise]:
-    """Which of `ranks` (ranks with no peer to compare with) slowed down against their own earlier steps;
-    `Rise.rank` is the global rank."""
+    """Which of `ranks` slowed down against their own earlier steps; `Rise.rank` is the global rank."""
     if len(ranks) < 2:
         return []
-    built = own_time_matrix(table, ranks)
-    if built is None:
+    times = own_time_matrix(table, ranks)
+    if times is None:
         return []
-    times, _steps = built
     found = rises(times)
     # a change most ranks share is the job's (a new phase, the machine's load), not a rank's
     if len(found) * 2 > len(ranks):

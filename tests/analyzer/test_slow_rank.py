@@ -71,13 +71,21 @@ def test_a_victim_that_waits_somewhere_is_not_named() -> None:
 # by a third of the interval, only in the first of the four TP all-reduces of a microbatch, so its
 # median lateness there is nil. Its TP peer 0 waits for it there and is late in its own DP group after.
 QUARTER_LATE = 20.0  # ms, of a 62.5 ms interval
-LOADER: dict[tuple[int, ...], tuple[int, Offsets]] = {
-    (0, 1): (4, [{1: QUARTER_LATE, 0: -QUARTER_LATE}, {}, {}, {}]),
-    (2, 3): (4, {}),
-    (0, 2): (1, {0: 6.0, 2: -6.0}),
-    (1, 3): (1, {1: 6.0, 3: -6.0}),
-    (0, 1, 2, 3): (1, {}),
-}
+
+
+def _loader(per_microbatch: int, late_ms: float) -> dict[tuple[int, ...], tuple[int, Offsets]]:
+    """TP 2 × DP 2 whose rank 1 is `late_ms` late at the first of its `per_microbatch` TP all-reduces."""
+    first: list[dict[int, float]] = [{1: late_ms, 0: -late_ms}] + [{} for _ in range(per_microbatch - 1)]
+    return {
+        (0, 1): (per_microbatch, first),
+        (2, 3): (per_microbatch, {}),
+        (0, 2): (1, {0: 6.0, 2: -6.0}),
+        (1, 3): (1, {1: 6.0, 3: -6.0}),
+        (0, 1, 2, 3): (1, {}),
+    }
+
+
+LOADER = _loader(4, QUARTER_LATE)
 
 
 def test_a_rank_late_in_a_quarter_of_its_collectives_by_a_wide_margin_is_named_and_its_peer_is_not() -> None:
@@ -126,13 +134,7 @@ def test_a_loader_is_named_when_its_waiting_peer_is_clearly_late_elsewhere() -> 
 # but its peer waits for it about 3 % of the call interval on average (its trimmed mean), which no
 # healthy member does.
 EIGHTH_LATE = 10.0  # ms, of a 31.25 ms interval
-LOADER_EVERY_EIGHTH: dict[tuple[int, ...], tuple[int, Offsets]] = {
-    (0, 1): (8, [{1: EIGHTH_LATE, 0: -EIGHTH_LATE}, {}, {}, {}, {}, {}, {}, {}]),
-    (2, 3): (8, {}),
-    (0, 2): (1, {0: 6.0, 2: -6.0}),
-    (1, 3): (1, {1: 6.0, 3: -6.0}),
-    (0, 1, 2, 3): (1, {}),
-}
+LOADER_EVERY_EIGHTH = _loader(8, EIGHTH_LATE)
 
 
 def test_a_loader_late_in_few_collectives_is_named_by_how_long_its_peer_waits_for_it() -> None:
