@@ -5,6 +5,7 @@ in compressed time, the rotation, and the long connection through lark-oapi's ow
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,11 +74,13 @@ def oncall_bot(tmp_path: Path, feishu: FeishuServer, alertmanager_for) -> Iterat
 
 
 def fire(bot: Service, am: str, feishu: FeishuServer, labels: dict[str, str]) -> tuple[dict, str]:
-    """Post the alert to Alertmanager; wait for its app card; returns (episode, message id)."""
+    """Post the alert to Alertmanager; wait for its app card, until the bot has recorded the card's
+    message id (a click names its card); returns (episode, message id)."""
     before = len(feishu.messages())
     post_to_alertmanager(am, labels)
     feishu.wait_for(lambda: len(feishu.messages()) > before)
     message = feishu.messages()[-1]
+    wait_until(lambda: bot.store.card_episodes(message.message_id), what="the card's send recorded")
     episode = bot.store.query("SELECT * FROM episodes ORDER BY id DESC LIMIT 1")[0]
     return dict(episode), message.message_id
 
@@ -281,15 +284,99 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
                 "last_seen": 1.0,
             }
         )
+        with bot.store.transaction():  # its card, as sent: an action names the card it came from
+            card = bot.store.enqueue(
+                {
+                    "kind": "firing",
+                    "episode_id": 1,
+                    "channel": "app",
+                    "destination": "oc_p0",
+                    "level": "P0",
+                    "idem_key": "card-of-1",
+                    "created_at": 1.0,
+                    "not_before": 1.0,
+                }
+            )
+            assert card is not None
+            bot.store.set_outbox(card, state="sent", message_id="om_1")
         assert ws.connected.wait(20), feishu.summary()
         answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"))
         assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}
         assert bot.store.episode(1)["claimed_by"] == "bob"
         refused = ws.push(card_action_event("", MALLORY, {"episode": 1, "action": "claim"}, "om_1"))
         assert refused["data"]["toast"]["type"] == "error"
+        elsewhere = ws.push(card_action_event("", BOB, {"episode": 1, "action": "note"}, "om_other"))
+        assert elsewhere["data"]["toast"] == {
+            "type": "error",
+            "content": "message 'om_other' is not a card of this alert",
+        }
         assert [(a["actor_name"], a["source"]) for a in bot.store.actions_of(1)] == [
             ("bob", "long_connection")
         ]
         assert feishu.select("ws_endpoint")
     finally:
         bot.stop()
+
+
+def bot_silences(am: str, episode: dict) -> list[dict]:
+    """The silences the bot made for `episode` (they carry its comment), as Alertmanager holds them."""
+    comment = f"from the Feishu card of alert {episode['id']} ({episode['alertname']})"
+    return [s for s in requests.get(f"{am}/api/v2/silences", timeout=5).json() if s["comment"] == comment]
+
+
+@pytest.mark.slow
+def test_silence_is_idempotent_and_unsilence_expires_every_silence(oncall_bot, feishu: FeishuServer) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    episode, message_id = fire(
+        bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "s"}
+    )
+    silence = {"episode": episode["id"], "action": "silence", "duration": "1h"}
+
+    first = sender.click(ALICE, silence, message_id).json()["toast"]
+    second = sender.click(BOB, silence | {"duration": "4h"}, message_id).json()["toast"]
+    assert first["type"] == "success" and second["type"] == "error"
+    assert second["content"].startswith("already silenced")
+    answers: list[dict] = []
+    clicks = [
+        threading.Thread(target=lambda: answers.append(sender.click(CAROL, silence, message_id).json()))
+        for _ in range(30)
+    ]
+    for click in clicks:
+        click.start()
+    for click in clicks:
+        click.join()
+    assert len(answers) == 30 and all(a["toast"]["type"] == "error" for a in answers)
+    assert len(bot_silences(am, episode)) == 1
+
+    # One made by an older version of the bot (two clicks made two silences then): expired too.
+    older = dict(bot_silences(am, episode)[0])
+    older.pop("id")
+    older["createdBy"] = "an older replica"
+    requests.post(f"{am}/api/v2/silences", json=older, timeout=5).raise_for_status()
+    assert len([s for s in bot_silences(am, episode) if s["status"]["state"] == "active"]) == 2
+    unsilence = sender.click(ALICE, {"episode": episode["id"], "action": "unsilence"}, message_id).json()
+    assert unsilence["toast"]["type"] == "success"
+    assert {s["status"]["state"] for s in bot_silences(am, episode)} == {"expired"}
+    again = sender.click(BOB, silence, message_id).json()["toast"]  # silencing again makes a new one
+    assert again["type"] == "success"
+    assert sorted(s["status"]["state"] for s in bot_silences(am, episode)) == ["active", "expired", "expired"]
+
+
+@pytest.mark.slow
+def test_a_card_action_acts_only_on_its_own_cards_alert(oncall_bot, feishu: FeishuServer) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    a, card_a = fire(bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "a"})
+    b, card_b = fire(bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "b"})
+    crossed = sender.click(ALICE, {"episode": b["id"], "action": "claim"}, card_a).json()["toast"]
+    assert crossed == {"type": "error", "content": f"message {card_a!r} is not a card of this alert"}
+    assert sender.click(ALICE, {"episode": b["id"], "action": "claim"}, "om_unknown").json()["toast"][
+        "type"
+    ] == ("error")
+    assert bot.store.episode(b["id"])["claimed_by"] is None and bot.store.actions_of(b["id"]) == []
+    assert (
+        sender.click(ALICE, {"episode": b["id"], "action": "claim"}, card_b).json()["toast"]["type"]
+        == "success"
+    )
+    assert bot.store.episode(a["id"])["claimed_by"] is None

@@ -61,7 +61,12 @@ class PostgresServer:
             cwd=self.dir,
             **self._run_as(),
         )
-        log = open(self.dir / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
+        data = self.dir / "data"
+        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
             [
@@ -89,7 +94,6 @@ class PostgresServer:
             **self._run_as(),
         )
         self._wait_ready()
-        return self
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -114,6 +118,17 @@ class PostgresServer:
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
+
+    def halt(self) -> None:
+        """Stop the server as an outage would (clients disconnected), keeping its data for `resume`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+    def resume(self) -> None:
+        """Start the halted server again on the same port and data."""
+        self._launch()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
