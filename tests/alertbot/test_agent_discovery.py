@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import re
 import sys
 import threading
@@ -21,9 +22,10 @@ import yaml
 
 from megatrace.alertbot.config import AgentFallbackConfig, AgentsConfig
 from megatrace.alertbot.discovery import GatherError, resolve_all
+from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.gather import gather
 from megatrace.config import ConfigError
-from tests.alertbot.conftest import config
+from tests.alertbot.conftest import Bot, alert, config, webhook
 from tests.support.blackhole import blackholed
 from tests.support.gloo_job import run_traced_job
 from tests.support.services import free_port, prometheus_argv, running
@@ -141,16 +143,30 @@ def test_series_with_agent_address_are_reached_there_and_named_by_node(
     }
 
 
-def test_prometheus_down_the_static_list_still_finds_the_agents(job_root: Path, tmp_path: Path) -> None:
+def test_prometheus_down_the_drill_down_completes_from_the_static_list(
+    job_root: Path, tmp_path: Path
+) -> None:
+    """Prometheus does not answer; the static list names two agents, one down. The one that answers
+    holds rank 0 only: rank 1 may be on the one that is down, so it is not collected (never blamed)."""
+    half = one_rank(job_root, tmp_path / "half")
     nobody = free_port()
-    with agent(tmp_path, "127.0.0.2", job_root, "node-a") as (_, trace_port):
-        # a second listed agent that is down: it may hold ranks, so nothing missing is blamed
-        fallback = AgentFallbackConfig(static=[f"127.0.0.2:{trace_port}", f"127.0.0.4:{nobody}"])
-        cfg = agents_config(tmp_path, trace_port, fallback=fallback)
-        found = gather(JOB, f"http://127.0.0.1:{free_port()}", cfg, tmp_path / "out")
-    assert sorted(found.placement) == [0, 1] and found.no_data == {}
-    assert found.placement[0]["node"] == "node-a"
-    assert "Prometheus could not be asked" in found.notes[0] and "fallback" in found.notes[0]
+    with agent(tmp_path, "127.0.0.2", half, "node-a") as (_, trace_port):
+        static = [f"127.0.0.2:{trace_port}", f"127.0.0.4:{nobody}"]
+        _, runner = drill_down(
+            tmp_path, f"http://127.0.0.1:{free_port()}", trace_port, fallback={"static": static}
+        )
+        report = runner.investigate(JOB)
+    runner.shutdown()
+    assert "error" not in report and report["verdict"] in ("healthy", "inconclusive"), json.dumps(report)[
+        :2000
+    ]
+    assert report["uncollected_ranks"] == [1]
+    (missing,) = report["no_data"]
+    assert missing["ranks"] == [1]
+    assert missing["reason"].startswith(
+        f"on none of the agents that answered; these did not: agent 127.0.0.4:{nobody}: connection refused"
+    )
+    assert "Prometheus could not be asked" in report["gather_notes"][0]
 
     without = agents_config(tmp_path, trace_port)
     with pytest.raises(GatherError, match="Prometheus could not be asked"):
@@ -185,28 +201,56 @@ def test_a_partitioned_agent_costs_the_deadline_at_most_and_is_named(job_root: P
 
 
 def test_a_partitioned_agent_holding_ranks_leaves_them_uncollected(job_root: Path, tmp_path: Path) -> None:
-    """Prometheus places rank 1 on an agent that is partitioned away: it is named, with why, and its
-    rank is uncollected (the analyzer is told), while rank 0 comes from the agent that answers."""
-    half = tmp_path / "half"
-    (half / JOB).mkdir(parents=True)
-    for path in (job_root / JOB).glob("rank-0.*"):
-        (half / JOB / path.name).write_bytes(path.read_bytes())
+    """Prometheus places rank 1 on an agent that is partitioned away: the drill-down ends within the
+    gathering's deadline plus the analysis, its card names the agent and why, and rank 1 is passed to
+    the analyzer as not collected, while rank 0 comes from the agent that answers. Without a connect
+    timeout, three tries at the 20 s request timeout would take a minute."""
+    half = one_rank(job_root, tmp_path / "half")
     with agent(tmp_path, "127.0.0.2", half, "node-a") as (metrics_port, trace_port):
         series = rank_info(0, "node-a", f"127.0.0.2:{metrics_port}") + rank_info(
             1, "node-b", f"127.0.0.5:{metrics_port}"
         )
         with prometheus_scraping(tmp_path, series, 2) as prometheus, blackholed("127.0.0.5", trace_port):
-            cfg = agents_config(tmp_path, trace_port, timeout_s=20, connect_timeout_s=1, deadline_s=20)
+            limits = {"timeout_s": 20, "connect_timeout_s": 1, "deadline_s": 20}
+            bot, runner = drill_down(tmp_path, prometheus, trace_port, **limits)
             started = time.monotonic()
-            found = gather(JOB, prometheus, cfg, tmp_path / "out")
+            report = runner.investigate(JOB)
             took = time.monotonic() - started
-    assert took < cfg.deadline_s, took
-    assert sorted(found.placement) == [0]
-    assert found.uncollected == {1}
-    assert found.no_data == {
-        1: f"agent on node-b (127.0.0.5:{trace_port}): no connection within 1 s (unreachable or partitioned) "
-        "after 2 tries"
-    }
+    runner.shutdown()
+    # the gathering's deadline plus the analysis (a 2-rank job: seconds), below the minute it took before
+    assert took < limits["deadline_s"] + 30, took
+    reason = (
+        f"agent on node-b (127.0.0.5:{trace_port}): no connection within 1 s (unreachable or partitioned) "
+        "after 3 tries"
+    )
+    assert report["no_data"] == [{"reason": reason, "ranks": [1]}]
+    assert report["uncollected_ranks"] == [1]
+    bot.store.set_incident(1, verdict=json.dumps(report))
+    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
+    card = bot.delivery.render(row, time.time())["card"]["elements"][0]["text"]["content"]
+    assert f"- rank 1: {reason}" in card
+
+
+def one_rank(job_root: Path, to: Path) -> Path:
+    """A trace root holding rank 0's files of the job only."""
+    (to / JOB).mkdir(parents=True)
+    for path in (job_root / JOB).glob("rank-0.*"):
+        (to / JOB / path.name).write_bytes(path.read_bytes())
+    return to
+
+
+def drill_down(
+    tmp_path: Path, prometheus: str, trace_port: int, fallback: dict | None = None, **limits: float
+) -> tuple[Bot, DrilldownRunner]:
+    """A bot holding a hang alert of the job, and its drill-down from the agents."""
+    (tmp_path / "token").write_text(TOKEN)
+    agents = {"port": trace_port, "token_file": str(tmp_path / "token"), "retries": 2, **limits}
+    if fallback:
+        agents["fallback"] = fallback
+    cfg = config(tmp_path, drilldown={"source": "agents", "prometheus_url": prometheus, "agents": agents})
+    bot = Bot(cfg)
+    bot.receive(webhook(alert(job=JOB)))
+    return bot, DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
 
 
 @pytest.mark.parametrize(
