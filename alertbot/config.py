@@ -170,7 +170,7 @@ class AgentsConfig:
     # Longest a connection to an agent may take to open (an agent partitioned away drops the packets).
     connect_timeout_s: float = 3.0
     # Longest the whole gathering may take: what has not come by then is named as not collected.
-    deadline_s: float = 60.0
+    deadline_s: float = 120.0
     retries: int = 2
     parallel: int = 32
     records_per_rank: int = 10000
