@@ -146,12 +146,18 @@ def test_series_with_agent_address_are_reached_there_and_named_by_node(
 def test_prometheus_down_the_drill_down_completes_from_the_static_list(
     job_root: Path, tmp_path: Path
 ) -> None:
-    """Prometheus does not answer; the static list names two agents, one down. The one that answers
-    holds rank 0 only: rank 1 may be on the one that is down, so it is not collected (never blamed)."""
+    """Prometheus does not answer; the static list names three agents: one holds rank 0 only, one holds
+    no file of the job, one is down. Rank 1 may be on the one that is down, so it is not collected
+    (never blamed)."""
     half = one_rank(job_root, tmp_path / "half")
     nobody = free_port()
-    with agent(tmp_path, "127.0.0.2", half, "node-a") as (_, trace_port):
-        static = [f"127.0.0.2:{trace_port}", f"127.0.0.4:{nobody}"]
+    (tmp_path / "other-jobs").mkdir()
+    with (
+        agent(tmp_path, "127.0.0.2", half, "node-a") as (_, trace_port),
+        agent(tmp_path, "127.0.0.3", tmp_path / "other-jobs", "node-c") as (_, other_port),
+    ):
+        # node-c's agent answers 404 for the job: it holds none of its ranks, which is no failure
+        static = [f"127.0.0.2:{trace_port}", f"127.0.0.3:{other_port}", f"127.0.0.4:{nobody}"]
         _, runner = drill_down(
             tmp_path, f"http://127.0.0.1:{free_port()}", trace_port, fallback={"static": static}
         )
@@ -163,8 +169,9 @@ def test_prometheus_down_the_drill_down_completes_from_the_static_list(
     assert report["uncollected_ranks"] == [1]
     (missing,) = report["no_data"]
     assert missing["ranks"] == [1]
-    assert missing["reason"].startswith(
-        f"on none of the agents that answered; these did not: agent 127.0.0.4:{nobody}: connection refused"
+    assert missing["reason"] == (
+        f"on none of the agents that answered; these did not: agent 127.0.0.4:{nobody}: connection refused "
+        "or lost after 3 tries"
     )
     assert "Prometheus could not be asked" in report["gather_notes"][0]
 
