@@ -114,7 +114,9 @@ def _data_parallel(job: _Job, module):
 
         fully_shard(module, mesh=job.mesh["dp"])
         return module
-    return job.torch.nn.parallel.DistributedDataParallel(module, process_group=job.mesh["dp"].get_group())
+    return job.torch.nn.parallel.DistributedDataParallel(
+        module, process_group=job.mesh["dp"].get_group(), static_graph=True
+    )
 
 
 def _schedule(job: _Job, stages: list):
