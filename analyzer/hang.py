@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatrace.analyzer import quiet
 from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
@@ -46,7 +47,7 @@ class HangResult:
     blocked_at: dict[int, tuple[int, int]]  # rank -> (comm, seq)
     notes: list[str]
     # ranks that made no call for a long while before their traces end (longer than the stall threshold
-    # and 20 of their usual gaps), though none is open: they wait somewhere the traces do not show
+    # and the job's rhythm, `quiet`), though none is open: they wait somewhere the traces do not show
     silent: dict[int, float] = field(default_factory=dict)
 
 
@@ -279,18 +280,9 @@ def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:
 
 
 def _silent_ranks(table: TraceTable, stall_s: float) -> dict[int, float]:
-    """rank -> seconds between its last call and the end of its trace, where that is far too long."""
-    out = {}
-    for rank, info in table.ranks.items():
-        lo, hi = table.rank_span(rank)
-        if info.finished or info.observed_live or hi == lo:
-            continue
-        times = np.sort(table["enqueue_ns"][lo:hi])
-        gap = float(np.median(np.diff(times))) if hi - lo > 2 else 0.0
-        quiet = info.observed_until_ns - int(times[-1])
-        if quiet > max(stall_s * 1e9, 20 * gap):
-            out[rank] = quiet / 1e9
-    return out
+    """rank -> seconds between its last call and the end of its trace, where that is far too long for
+    the job's own rhythm (`megatrace.analyzer.quiet`)."""
+    return quiet.silent_ranks(table, stall_s)
 
 
 def _fell_silent(table: TraceTable, members: tuple[int, ...], stall_s: float) -> dict[int, float]:

@@ -9,6 +9,7 @@ import numpy as np
 from megatrace.analyzer.hang import HangResult
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.loader import LoadReport
+from megatrace.analyzer.quiet import ended_together
 from megatrace.analyzer.slow import SlowResult
 from megatrace.analyzer.table import OPS, TraceTable
 
@@ -40,6 +41,8 @@ def build_report(
         for s in slow.suspects:
             entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}
             entry["slowdown_estimate"] = round(s.relative, 4)
+            if s.test is not None:
+                entry.update(s.test.as_dict(slow.tests))
             suspects.append(entry)
     for entry in suspects:
         rank = entry["rank"]
@@ -60,6 +63,8 @@ def build_report(
             f"rank(s) {_short_list(stuck)} are stuck in calls that never completed, but the logs do not "
             "show which rank they wait for"
         )
+    elif verdict == "healthy" and (together := ended_together(table, hang.silent)):
+        notes.append(together)
     elif verdict == "healthy" and len(hang.silent) * 2 >= len(table.ranks):
         verdict = "inconclusive"
         quiet = sorted(hang.silent)
@@ -77,6 +82,7 @@ def build_report(
         "records": len(table),
         "communicators": len(table.comms),
         "clock_offsets_ms": {h: round(v / 1e6, 3) for h, v in sorted(slow.skew_ns.items())},
+        "slow_test": slow.test_summary(),
         "notes": notes,
         "inputs": load.as_dict(),
         "layout": None
