@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megatrace.analyzer import quiet
+from megatrace.analyzer import quiet, ties
 from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
@@ -38,6 +38,7 @@ class HangSuspect:
     # enqueue-only logs that end with the suspect one call behind, right where every log ends: a hang
     # there cannot be told from logs cut at that moment; it yields to a slow rank found in the same logs
     tentative: bool = False
+    tied: bool = False  # the evidence cannot tell it from the other tied suspects (`ties`)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class HangResult:
     # ranks that made no call for a long while before their traces end (longer than the stall threshold
     # and the job's rhythm, `quiet`), though none is open: they wait somewhere the traces do not show
     silent: dict[int, float] = field(default_factory=dict)
+    tie: str = ""  # why tied suspects could not be told apart (`ties`)
 
 
 def last_seq_per_member(table: TraceTable) -> dict[tuple[int, int], int]:
@@ -253,10 +255,13 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                 )
     if not suspects and waits:
         suspects.extend(_deadlock(table, waits, blocked))
+    absent = ties.absent_dumpers(table, suspects)
+    suspects = [HangSuspect(r, 0.8, ties.absent_evidence(r, suspects), "no_log") for r in absent] + suspects
     _answered_the_dump(table, suspects)
+    suspects, tie = ties.mark_ties(table, suspects)
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
-    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s))
+    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s), tie)
 
 
 def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:

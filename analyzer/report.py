@@ -37,6 +37,8 @@ def build_report(
         )
         if s.group:
             suspects[-1]["communicator"] = list(s.group)
+        if s.tied:
+            suspects[-1]["tied"] = True
     if not suspects:
         for s in slow.suspects:
             entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}
@@ -53,6 +55,9 @@ def build_report(
             entry["position"] = layout.describe(rank)
             entry["coords"] = layout.coords(rank)
     verdict = "hang" if hangs else ("slow" if suspects else "healthy")
+    tie = {"ranks": [s.rank for s in hangs if s.tied], "reason": hang.tie} if hangs and hang.tie else None
+    if hang.tie and not tie:
+        notes.append(hang.tie)
     if not table.ranks:
         verdict = "no-data"
         notes.append("no readable trace file: nothing to judge (see inputs.ignored for what was skipped)")
@@ -77,6 +82,7 @@ def build_report(
         "verdict": verdict,
         "suspects": suspects,
         "victims": hang.victims if hangs else [],
+        "tie": tie,
         "world_size": table.world_size,
         "ranks_with_logs": len(table.ranks),
         "records": len(table),
@@ -129,6 +135,9 @@ def render_text(report: dict) -> str:
         head = "NO DATA: no readable trace file was found; nothing was judged."
     elif verdict == "inconclusive":
         head = f"INCONCLUSIVE: {report['notes'][-1]}."
+    elif report.get("tie"):
+        tied = " or ".join(f"rank {r}" for r in report["tie"]["ranks"])
+        head = f"{verdict.upper()}: {tied} (tied) — {report['tie']['reason']}"
     else:
         top = suspects[0]
         where = f" on {top['host']}" if top.get("host") else ""

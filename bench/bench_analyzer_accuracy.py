@@ -11,8 +11,11 @@ Sources, each scored apart (a figure on the simulator the code was tuned to prov
   user from the public sii-research/Megatrace repository (trace/analysis/logs/log_rank2_slow).
 Real runs are scored twice, without layout flags and with the layout the run used; a run whose
 verdict changes between the two is counted. Per source: hang and slow precision/recall/F1 (a hit is
-the right verdict with the culprit ranked first), top-1 culprit accuracy over faulty runs, and false
-verdicts on healthy runs. `--record` records the corpus first (runs already recorded are kept).
+the right verdict with the culprit ranked first; a tied answer whose culprit is second counts as a
+miss there), top-1 culprit accuracy over faulty runs, false verdicts on healthy runs, and the hang
+answers split: confident ones (one rank named first, no tie) with their precision (right: a hang run,
+its culprit first), and tied ones with how often the tied set holds the culprit. `--record` records
+the corpus first (runs already recorded are kept).
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class Score:
     runs: int = 0
     changed_by_flags: int = 0
     wrong: list[str] = field(default_factory=list)
+    # hang answers: confident (one rank first) and right; tied (the analyzer could not tell them apart)
+    # and holding the culprit
+    confident: list[int] = field(default_factory=lambda: [0, 0])
+    tied: list[int] = field(default_factory=lambda: [0, 0])
 
     def add(self, label: str, report: dict, kind: str, culprits: set[int]) -> None:
         """`kind`: healthy, hang or slow; `culprits`: the ranks to blame (empty when healthy)."""
@@ -104,6 +111,12 @@ class Score:
                 self.counts[verdict][1] += 1
             return
         self.faulty += 1
+        if verdict == "hang" and report.get("tie"):
+            self.tied[0] += 1
+            self.tied[1] += bool(set(report["tie"]["ranks"]) & culprits)
+        elif verdict == "hang":
+            self.confident[0] += 1
+            self.confident[1] += kind == "hang" and top in culprits
         hit = verdict == kind and top in culprits
         self.top1 += top in culprits
         if hit:
@@ -124,6 +137,14 @@ class Score:
         if self.faulty:
             print(f"   top-1 culprit: {self.top1}/{self.faulty} = {self.top1 / self.faulty:.3f}")
         print(f"   false verdicts on healthy runs: {self.false_on_healthy}/{self.healthy}")
+        answers = self.confident[0] + self.tied[0]
+        if answers:
+            right, total = self.confident[1], self.confident[0]
+            print(
+                f"   hang answers: {total} confident (precision {right / total if total else 1.0:.3f}), "
+                f"{self.tied[0]} tied ({self.tied[0] / answers:.0%} of hang answers; culprit in the tied "
+                f"set {self.tied[1]}/{self.tied[0]})"
+            )
         if self.changed_by_flags:
             print(f"   verdict changed by giving the layout: {self.changed_by_flags} run(s)")
 

@@ -162,3 +162,28 @@ def test_ranks_all_quiet_after_the_same_completed_call_read_healthy(torch_dumps,
     report = analyze([_dumped_later(torch_dumps, tmp_path, 60.0)])
     assert report["verdict"] == "healthy", report["notes"]
     assert any("the traces end there" in note and "all_reduce" in note for note in report["notes"])
+
+
+def test_hung_rank_and_the_neighbour_waiting_in_an_unrecorded_transfer_are_tied(runs):
+    """Rank 0 hung before a pipeline send; its stage-1 neighbour 4 waits in a receive gloo's dumps do not
+    record. Neither issued the DP all-reduce their peers wait in, and both wrote their dumps: the report
+    names both, tied, with the reason (before, rank 0 was named alone, on a guess)."""
+    for layout in (None, LayoutConfig(world_size=8, tp=2, pp=2)):
+        report = analyze([runs / ARCHIVES[0] / "003-hang-p2p" / "fr"], layout)
+        assert report["verdict"] == "hang"
+        assert (
+            report["tie"]["ranks"] == [0, 4]
+            and "record no pipeline send or receive" in report["tie"]["reason"]
+        )
+        assert [(s["rank"], s.get("tied")) for s in report["suspects"][:2]] == [(0, True), (4, True)]
+
+
+def test_a_rank_that_wrote_no_dump_is_named_first_without_the_layout(torch_dumps):
+    """Without the layout no group shows rank 5 as a member, but every other rank of the world wrote a
+    dump when asked: rank 5 stopped (it froze inside a collective). Before, rank 0 was named."""
+    report = analyze([torch_dumps / "023-hang-collective" / "fr"])
+    first = report["suspects"][0]
+    assert (first["rank"], first["cause"]) == (5, "no_log") and "wrote no dump" in first["evidence"]
+    assert report["tie"] is None and all(
+        s["confidence"] < first["confidence"] for s in report["suspects"][1:]
+    )
