@@ -10,11 +10,13 @@ point-to-point call in the order the rank issued it, as ``/work/shared/reference
 
 What the format does not carry is dropped: the peer of a send or receive and the completion time (the
 line's time is the enqueue time). ``Data`` is the element count (bytes over the element size);
-``opCount`` is the tracer's per-communicator sequence number (the same collective has the same one on
-every member); ``groupHash`` is a signed 64-bit hash of the communicator's id, the same on all members
-(sends and receives carry their process group's, the pipeline group's, as NCCL's do); ``stream`` a
-per-rank, per-communicator address. Lines are cut at 127 characters, as the patched NCCL cuts them
-(a long hash loses digits). Calls NCCL has no line for (barriers, gathers, all-to-all) are left out.
+``opCount`` is the tracer's sequence number (per communicator, and per neighbour for transfers: the
+same call has the same one on every member); ``groupHash`` a signed 64-bit hash of the communicator's
+id, the same on all members, and 0 for transfers (a split communicator's, as torch splits the pipeline
+group off the default one); ``stream`` a per-rank address per communicator (and neighbour, for
+transfers: a middle stage's two neighbours are two streams). Lines are cut at 127 characters, as the
+patched NCCL cuts them (a long hash loses digits). Calls NCCL has no line for (barriers, gathers,
+all-to-all) are left out.
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float64": 8, "int8": 1, "uint8": 
 LINE_CUT = 127
 
 
-def group_hash(comm_id: int) -> int:
-    """A signed 64-bit hash of a communicator id, the same on every member."""
-    digest = hashlib.blake2b(int(comm_id).to_bytes(8, "little", signed=False), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
+def group_hash(comm_id: int, p2p: bool) -> int:
+    """A signed 64-bit hash of a communicator id, the same on every member; 0 for pipeline transfers,
+    as the patched NCCL writes for communicators made by ``ncclCommSplit`` (torch splits the pipeline
+    group off the default communicator; the tracer names a group by its members, so a 4-rank
+    pipeline's group and the world's would share one hash otherwise)."""
+    if p2p:
+        return 0
+    raw = int(comm_id).to_bytes(8, "little", signed=False)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
 
 
-def stream_of(rank: int, comm_id: int) -> str:
-    """A CUDA-stream-like pointer: per process (rank) and communicator, never shared across ranks."""
-    return f"0x{0x55D000000000 + rank * 0x100000 + (int(comm_id) % 0xFFFF) * 0x10:x}"
+def stream_of(rank: int, comm_id: int, peer: int) -> str:
+    """A CUDA-stream-like pointer: per process (rank), communicator and, for transfers, neighbour (a
+    middle pipeline stage talks to each of its two neighbours on its own stream); never shared across
+    ranks. The peer itself is not written."""
+    return f"0x{0x55D000000000 + rank * 0x100000 + (int(comm_id) % 0xFFF) * 0x100 + (peer + 1) * 0x10:x}"
 
 
 def lines_of(path: Path) -> tuple[int, list[str]]:
@@ -65,10 +74,11 @@ def lines_of(path: Path) -> tuple[int, list[str]]:
         dtype = DTYPE_NAMES.get(int(rec["dtype"]), "float32")
         count = int(rec["nbytes"]) // ELEMENT_BYTES.get(dtype, 4)
         sec, ns = divmod(int(rec["enqueue_ns"]), 1_000_000_000)
-        comm = int(rec["comm_id"])
+        comm, p2p = int(rec["comm_id"]), op in ("Send", "Recv")
+        stream = stream_of(rank, comm, int(rec["peer"]) if p2p else -1)
         line = (
             f"[save_count 1] [{sec}.{ns:09d}] [Rank {rank}] Fun {op} Data {count} "
-            f"stream {stream_of(rank, comm)} opCount {int(rec['seq'])} groupHash {group_hash(comm)}"
+            f"stream {stream} opCount {int(rec['seq'])} groupHash {group_hash(comm, p2p)}"
         )
         out.append(line[:LINE_CUT])
     return rank, out
