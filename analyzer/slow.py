@@ -524,13 +524,13 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 whole.add(suspect.rank)
             if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
                 best[suspect.rank] = suspect
-    for suspect in _against_own_steps(table, set(table.ranks) - compared, compared, tests):
+    for suspect in _against_own_steps(table, set(table.ranks) - compared, compared):
         whole.add(suspect.rank)
         best.setdefault(suspect.rank, suspect)
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
     if not suspects and _one_pipeline(layout):
-        suspects = _against_own_steps(table, set(table.ranks), compared, tests)
+        suspects = _against_own_steps(table, set(table.ranks), compared)
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     notes = []
     if syncs:
@@ -583,9 +583,7 @@ def _one_pipeline(layout: Layout | None) -> bool:
     return layout is not None and layout.sizes.get("pp", 1) >= 2 and layout.sizes.get("dp", 1) == 1
 
 
-def _against_own_steps(
-    table: TraceTable, ranks: set[int], compared: set[int], tests: int
-) -> list[SlowSuspect]:
+def _against_own_steps(table: TraceTable, ranks: set[int], compared: set[int]) -> list[SlowSuspect]:
     """`ranks` judged against their own earlier steps (`megatrace.analyzer.own_time`): those no
     communicator compared with a peer (the stages of a single pipeline) always, and every rank of a job
     with one pipeline where comparing found nobody (`_one_pipeline`). Evidence from peers comes first:
@@ -605,9 +603,10 @@ def _against_own_steps(
             "compared with its own earlier steps."
         )
         sure = min(0.99, rise.excess / (4 * own_time.MIN_RISE)) * (rise.steps - rise.step) / rise.steps
+        # own_time's rule (a rise of 5 times the step-to-step noise, held in 80 % of the steps on either
+        # side) is its calibration; the test's fields are reported alongside
         test = rise_test(rise.excess, rise.noise, rise.step, rise.steps - rise.step)
-        if test.holds(tests):
-            out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess, test))
+        out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess, test))
     return out
 
 

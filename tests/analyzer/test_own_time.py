@@ -146,6 +146,6 @@ def test_every_rank_of_a_job_with_one_pipeline_can_be_judged_against_its_own_ste
     everyone = set(range(4))
     assert _one_pipeline(resolve(LayoutConfig(world_size=4, tp=2, pp=2)))
     assert not _one_pipeline(resolve(LayoutConfig(world_size=4, tp=1, pp=2)))
-    named = _against_own_steps(table, everyone, compared=everyone, tests=4)
+    named = _against_own_steps(table, everyone, compared=everyone)
     assert [s.rank for s in named] == [3], named
     assert "the job has one pipeline" in named[0].evidence and named[0].relative > MIN_RISE
