@@ -290,6 +290,8 @@ def incident_context(incident: Incident, budget: int) -> dict[str, Any]:
         if culprit is None
         else {
             "rank": culprit.rank,
+            "tied": list(culprit.tied),
+            "tie_reason": culprit.tie_reason[:budget],
             "node": culprit.node,
             "sentence": culprit.sentence[:budget],
             "confidence": None if culprit.confidence is None else round(culprit.confidence * 100),

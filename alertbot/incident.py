@@ -37,6 +37,14 @@ class Culprit:
     where: str = ""
     # `node` is only the host part of an exporter's scrape address: a node name found elsewhere wins.
     node_is_address: bool = False
+    # the analyzer could not tell these ranks apart (`rank` is the first of them), and why
+    tied: tuple[str, ...] = ()
+    tie_reason: str = ""
+
+    @property
+    def named(self) -> str:
+        """ "rank 3", or for tied ranks "rank 3 or rank 7"."""
+        return " or ".join(f"rank {r}" for r in self.tied or (self.rank,))
 
 
 @dataclasses.dataclass
@@ -86,11 +94,22 @@ def from_labels(alertname: str, labels: dict[str, str]) -> Culprit | None:
 
 
 def from_verdict(report: dict[str, Any], where: str = "") -> Culprit | None:
-    """The analyzer's first suspect (None when it failed, found nothing, or is still running)."""
+    """The analyzer's first suspect (None when it failed, found nothing, or is still running); where
+    the analyzer reports suspects tied (it could not tell them apart), all of them, without a
+    confidence, and the reason."""
     suspects = [s for s in report.get("suspects", []) if isinstance(s, dict) and "rank" in s]
     if report.get("error") or report.get("verdict") == "healthy" or not suspects:
         return None
     first = suspects[0]
+    tie = report.get("tie") if isinstance(report.get("tie"), dict) else None
+    if first.get("tied") and tie:
+        tied = [s for s in suspects if s.get("tied")]
+        nodes = {known(s.get("node") or s.get("host")) for s in tied}
+        return Culprit(
+            str(first["rank"]), nodes.pop() if len(nodes) == 1 else "", str(first.get("kind", "")),
+            str(first.get("evidence", "")), None, where, tied=tuple(str(s["rank"]) for s in tied),
+            tie_reason=str(tie.get("reason", "")),
+        )  # fmt: skip
     confidence = first.get("confidence")
     return Culprit(
         str(first["rank"]),
@@ -136,7 +155,8 @@ def load(
     where = placement(suspects[0]) if placement and suspects else ""
     culprit = culprit_of(zip((m["alertname"] for m in members), labels, strict=True), report, where)
     ranks = {int(lab["rank"]) for lab in labels if str(lab.get("rank", "")).isdigit()}
-    others = sorted(r for r in ranks if culprit is None or str(r) != culprit.rank)
+    named = set(culprit.tied or (culprit.rank,)) if culprit else set()
+    others = sorted(r for r in ranks if str(r) not in named)
     slow = all(m["alertname"] in SLOW_ALERTS for m in members)
     ends = [m["ends_at"] for m in members if m["ends_at"] is not None]
     closed = row["closed_at"] is not None
@@ -154,7 +174,7 @@ def headline(incident: Incident) -> str:
         what = "has a slow rank" if incident.kind == "slow" else "hangs"
         return f"job {incident.job} {what} — culprit not known yet"
     where = f" on {culprit.node}" if culprit.node else ""
-    return f"rank {culprit.rank} {verb}{where} — job {incident.job}"
+    return f"{culprit.named} {verb}{where} — job {incident.job}"
 
 
 def next_step(incident: Incident) -> str:

@@ -63,7 +63,7 @@ def counted_once(store: Store, since: float, until: float) -> list[tuple[dict[st
             continue
         shown = load_incident(store, incident["id"])
         culprit = shown.culprit if shown else None
-        named = f"rank {culprit.rank}" + (f" on {culprit.node}" if culprit.node else "") if culprit else ""
+        named = culprit.named + (f" on {culprit.node}" if culprit.node else "") if culprit else ""
         closed = shown is not None and shown.closed
         episode = dict(row) | {
             "status": "resolved" if closed else "firing",

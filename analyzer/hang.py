@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatrace.analyzer import quiet, stopped_first, ties
 from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
@@ -37,6 +38,7 @@ class HangSuspect:
     # enqueue-only logs that end with the suspect one call behind, right where every log ends: a hang
     # there cannot be told from logs cut at that moment; it yields to a slow rank found in the same logs
     tentative: bool = False
+    tied: bool = False  # the evidence cannot tell it from the other tied suspects (`ties`)
 
 
 @dataclass
@@ -46,8 +48,9 @@ class HangResult:
     blocked_at: dict[int, tuple[int, int]]  # rank -> (comm, seq)
     notes: list[str]
     # ranks that made no call for a long while before their traces end (longer than the stall threshold
-    # and 20 of their usual gaps), though none is open: they wait somewhere the traces do not show
+    # and the job's rhythm, `quiet`), though none is open: they wait somewhere the traces do not show
     silent: dict[int, float] = field(default_factory=dict)
+    tie: str = ""  # why tied suspects could not be told apart (`ties`)
 
 
 def last_seq_per_member(table: TraceTable) -> dict[tuple[int, int], int]:
@@ -130,14 +133,14 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     members_last: dict[int, dict[int, int]] = {}
     for (comm, rank), seq in last.items():
         members_last.setdefault(comm, {})[rank] = seq
-    frontier_block: dict[int, tuple[int, int]] = {}
+    frontier_block: dict[int, list[tuple[int, int]]] = {}
     for comm, seen in members_last.items():
         members = table.comms[comm].members
         if _unmatched_channel(table, comm):
             # a send/recv no peer ever logged: its rank waits in the first one (the peer is unknown)
             (m,) = members
             if m in ranks_present and not table.ranks[m].has_completion:
-                frontier_block.setdefault(m, (comm, _first_seq(table, m, comm)))
+                frontier_block.setdefault(m, []).append((comm, _first_seq(table, m, comm)))
             continue
         if not _usable(table, comm):
             continue
@@ -147,10 +150,9 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
             continue
         for m, value in zip(members, lasts, strict=True):
             if value >= stuck and m in ranks_present and not table.ranks[m].has_completion:
-                prev = frontier_block.get(m)
-                if prev is None or _first_time(table, m, comm, stuck) < _first_time(table, m, *prev):
-                    frontier_block[m] = (comm, stuck)
-    for rank, (comm, seq) in frontier_block.items():
+                frontier_block.setdefault(m, []).append((comm, stuck))
+    for rank, frontiers in frontier_block.items():
+        comm, seq = _frontier(table, rank, frontiers)
         tail = _records_after(table, rank, _first_time(table, rank, comm, seq))
         if tail <= ASYNC_WINDOW:
             blocked[rank] = (comm, seq)
@@ -252,10 +254,14 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                 )
     if not suspects and waits:
         suspects.extend(_deadlock(table, waits, blocked))
+    suspects = stopped_first.order(table, suspects)
+    absent = ties.absent_dumpers(table, suspects)
+    suspects = [HangSuspect(r, 0.8, ties.absent_evidence(r, suspects), "no_log") for r in absent] + suspects
     _answered_the_dump(table, suspects)
+    suspects, tie = ties.mark_ties(table, suspects)
     named = {s.rank for s in suspects}
     victims = sorted(r for r in blocked if r not in named)
-    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s))
+    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s), tie)
 
 
 def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:
@@ -279,18 +285,9 @@ def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:
 
 
 def _silent_ranks(table: TraceTable, stall_s: float) -> dict[int, float]:
-    """rank -> seconds between its last call and the end of its trace, where that is far too long."""
-    out = {}
-    for rank, info in table.ranks.items():
-        lo, hi = table.rank_span(rank)
-        if info.finished or info.observed_live or hi == lo:
-            continue
-        times = np.sort(table["enqueue_ns"][lo:hi])
-        gap = float(np.median(np.diff(times))) if hi - lo > 2 else 0.0
-        quiet = info.observed_until_ns - int(times[-1])
-        if quiet > max(stall_s * 1e9, 20 * gap):
-            out[rank] = quiet / 1e9
-    return out
+    """rank -> seconds between its last call and the end of its trace, where that is far too long for
+    the job's own rhythm (`megatrace.analyzer.quiet`)."""
+    return quiet.silent_ranks(table, stall_s)
 
 
 def _fell_silent(table: TraceTable, members: tuple[int, ...], stall_s: float) -> dict[int, float]:
@@ -373,6 +370,17 @@ def _all_entered_last(table: TraceTable, culprits: dict[int, list[int]]) -> dict
         if _usable(table, comm) and all(last.get(m) == (comm, seq) for m in members):
             out[rank] = (comm, seq)
     return out
+
+
+def _frontier(table: TraceTable, rank: int, frontiers: list[tuple[int, int]]) -> tuple[int, int]:
+    """Of the calls some peer never issued, the one `rank` is blocked at: the earliest among its last
+    `ASYNC_WINDOW` records, else the earliest of all (an old one: the logs were saved at different
+    times). An inferred pipeline channel whose peer ended early must not hide a collective it waits in."""
+    frontiers = sorted(frontiers, key=lambda f: _first_time(table, rank, *f))
+    recent = [
+        f for f in frontiers if _records_after(table, rank, _first_time(table, rank, *f)) <= ASYNC_WINDOW
+    ]
+    return (recent or frontiers)[0]
 
 
 def _unmatched_channel(table: TraceTable, comm: int) -> bool:

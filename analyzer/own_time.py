@@ -25,6 +25,7 @@ named.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class Rise:
     excess: float  # the rise beyond the other ranks' over the same steps
     others: float  # the other ranks' median rise
     steps: int
+    noise: float = 0.0  # the job's step-to-step noise at this split, as a share
 
 
 def step_marker(table: TraceTable, ranks: set[int]) -> int | None:
@@ -138,7 +140,8 @@ def rises(times: np.ndarray) -> dict[int, Rise]:
         base = np.median(times[:, :split], axis=1)
         after = np.median(times[:, split:], axis=1)
         rise = after / np.maximum(base, 1.0) - 1.0
-        least = max(MIN_RISE, NOISE_SIGMAS * noise(times, split))
+        spread = noise(times, split)
+        least = max(MIN_RISE, NOISE_SIGMAS * spread)
         for r in range(rows):
             if base[r] < MIN_OWN_NS:
                 continue
@@ -148,7 +151,9 @@ def rises(times: np.ndarray) -> dict[int, Rise]:
             above, below = (times[r, split:] > line).mean(), (times[r, :split] <= line).mean()
             held = above >= MIN_SHARE and below >= MIN_SHARE
             if excess >= least and held and (r not in found or excess > found[r].excess):
-                found[r] = Rise(r, split, float(base[r]), float(after[r]), float(excess), others, steps)
+                found[r] = Rise(
+                    r, split, float(base[r]), float(after[r]), float(excess), others, steps, spread
+                )
     return found
 
 
@@ -163,7 +168,4 @@ def slowed_down(table: TraceTable, ranks: list[int]) -> list[Rise]:
     # a change most ranks share is the job's (a new phase, the machine's load), not a rank's
     if len(found) * 2 > len(ranks):
         return []
-    return [
-        Rise(ranks[r], rise.step, rise.before_ns, rise.after_ns, rise.excess, rise.others, rise.steps)
-        for r, rise in sorted(found.items())
-    ]
+    return [dataclasses.replace(rise, rank=ranks[r]) for r, rise in sorted(found.items())]

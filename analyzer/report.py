@@ -9,6 +9,7 @@ import numpy as np
 from megatrace.analyzer.hang import HangResult
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.loader import LoadReport
+from megatrace.analyzer.quiet import ended_together
 from megatrace.analyzer.slow import SlowResult
 from megatrace.analyzer.table import OPS, TraceTable
 
@@ -36,10 +37,14 @@ def build_report(
         )
         if s.group:
             suspects[-1]["communicator"] = list(s.group)
+        if s.tied:
+            suspects[-1]["tied"] = True
     if not suspects:
         for s in slow.suspects:
             entry = {"rank": s.rank, "kind": "slow", "confidence": s.confidence, "evidence": s.evidence}
             entry["slowdown_estimate"] = round(s.relative, 4)
+            if s.test is not None:
+                entry.update(s.test.as_dict(slow.tests))
             suspects.append(entry)
     for entry in suspects:
         rank = entry["rank"]
@@ -50,6 +55,9 @@ def build_report(
             entry["position"] = layout.describe(rank)
             entry["coords"] = layout.coords(rank)
     verdict = "hang" if hangs else ("slow" if suspects else "healthy")
+    tie = {"ranks": [s.rank for s in hangs if s.tied], "reason": hang.tie} if hangs and hang.tie else None
+    if hang.tie and not tie:
+        notes.append(hang.tie)
     if not table.ranks:
         verdict = "no-data"
         notes.append("no readable trace file: nothing to judge (see inputs.ignored for what was skipped)")
@@ -60,6 +68,8 @@ def build_report(
             f"rank(s) {_short_list(stuck)} are stuck in calls that never completed, but the logs do not "
             "show which rank they wait for"
         )
+    elif verdict == "healthy" and (together := ended_together(table, hang.silent)):
+        notes.append(together)
     elif verdict == "healthy" and len(hang.silent) * 2 >= len(table.ranks):
         verdict = "inconclusive"
         quiet = sorted(hang.silent)
@@ -72,11 +82,13 @@ def build_report(
         "verdict": verdict,
         "suspects": suspects,
         "victims": hang.victims if hangs else [],
+        "tie": tie,
         "world_size": table.world_size,
         "ranks_with_logs": len(table.ranks),
         "records": len(table),
         "communicators": len(table.comms),
         "clock_offsets_ms": {h: round(v / 1e6, 3) for h, v in sorted(slow.skew_ns.items())},
+        "slow_test": slow.test_summary(),
         "notes": notes,
         "inputs": load.as_dict(),
         "layout": None
@@ -123,6 +135,9 @@ def render_text(report: dict) -> str:
         head = "NO DATA: no readable trace file was found; nothing was judged."
     elif verdict == "inconclusive":
         head = f"INCONCLUSIVE: {report['notes'][-1]}."
+    elif report.get("tie"):
+        tied = " or ".join(f"rank {r}" for r in report["tie"]["ranks"])
+        head = f"{verdict.upper()}: {tied} (tied) — {report['tie']['reason']}"
     else:
         top = suspects[0]
         where = f" on {top['host']}" if top.get("host") else ""

@@ -26,6 +26,15 @@ import numpy as np
 
 from megatrace.analyzer import own_time
 from megatrace.analyzer.layout import Layout
+from megatrace.analyzer.significance import (
+    FAMILY_ALPHA,
+    LatenessTest,
+    PassNoise,
+    block_means,
+    lateness_test,
+    pass_noise,
+    rise_test,
+)
 from megatrace.analyzer.table import TraceTable
 
 MIN_INSTANCES = 8
@@ -62,6 +71,7 @@ class CommLateness:
     mean_ns: np.ndarray  # trimmed mean lateness per member (`TRIM`)
     interval_ns: float
     instances: int
+    blocks: np.ndarray  # members × blocks: mean lateness over consecutive instances (`significance`)
 
 
 @dataclass
@@ -70,6 +80,7 @@ class SlowSuspect:
     confidence: float
     evidence: str
     relative: float
+    test: LatenessTest | None = None  # the statistical test it passed (`significance`)
 
 
 @dataclass
@@ -78,6 +89,12 @@ class SlowResult:
     skew_ns: dict[str, float] = field(default_factory=dict)
     measured: int = 0
     notes: list[str] = field(default_factory=list)
+    tests: int = 1  # statistical tests made (ranks × passes): the correction of every suspect's p-value
+    least_p: float = 1.0  # the smallest corrected p-value of any rank that looked late, named or not
+
+    def test_summary(self) -> dict[str, float]:
+        """The report's ``slow_test``: the bound, the tests it was corrected for, the smallest p seen."""
+        return {"alpha": FAMILY_ALPHA, "tests": self.tests, "least_p": float(f"{self.least_p:.3g}")}
 
 
 def rank_hosts(table: TraceTable, layout: Layout | None) -> list[str]:
@@ -276,6 +293,7 @@ def comm_lateness(
                 mean,
                 interval,
                 t.shape[1],
+                block_means(late / interval),
             )
         )
     return out
@@ -319,6 +337,7 @@ class _Round:
     clearly: set[
         int
     ]  # ranks clearly late in a communicator they are judged in (`_Seen.clearly_late`), waiting nowhere
+    noise: PassNoise = field(default_factory=PassNoise)  # what the job's noise does to the test statistic
 
 
 def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: frozenset[int]) -> _Round:
@@ -338,7 +357,15 @@ def _lateness_round(per_comm: list[CommLateness], hosts: list[str], channels: fr
     # with such communicators is judged on them alone (its cross-host lateness may be absorbed as skew)
     local = {cl.comm for cl in per_comm if len({hosts[m] for m in cl.members.tolist()}) == 1}
     judged = {m: (set(comms) & local) or set(comms) for m, comms in late.items()}
-    rnd = _Round(late, is_late, judged, local, channels, set())
+    rnd = _Round(
+        late,
+        is_late,
+        judged,
+        local,
+        channels,
+        set(),
+        pass_noise([(cl.members, cl.blocks) for cl in per_comm]),
+    )
     rnd.clearly = {
         m
         for m, comms in judged.items()
@@ -401,7 +428,7 @@ def _early(seen: _Seen) -> bool:
     return (seen.rel <= -MIN_REL / 2 and seen.pers < 0.5) or seen.waits
 
 
-def _straggler(m: int, rnd: _Round) -> SlowSuspect:
+def _straggler(m: int, rnd: _Round, tests: int) -> SlowSuspect:
     late, judged = rnd.late, rnd.judged
     pers = min(late[m][c].pers for c in judged[m])
     # shown and ranked by the busiest communicator it is clearly late in (the most instances)
@@ -423,7 +450,23 @@ def _straggler(m: int, rnd: _Round) -> SlowSuspect:
             f"{shown.mean:.1%} of the interval late on average (on a communicator of {len(cl.members)} "
             f"ranks), and waited in no {where}communicator it is in."
         )
-    return SlowSuspect(m, round(float(np.clip(sure * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99)), 2), how, rel)
+    sure = float(np.clip(sure * min(1.0, rel / (2 * MIN_REL)), 0.0, 0.99))
+    return SlowSuspect(m, round(sure, 2), how, rel, _best_test(m, rnd, tests))
+
+
+def _best_test(m: int, rnd: _Round, tests: int) -> LatenessTest | None:
+    """The statistical test of `m`'s lateness in the communicators it is late in: the one that holds
+    with the largest effect, else the strongest (for the note on what stayed within the noise)."""
+    found = []
+    for c in rnd.judged[m] & rnd.is_late[m]:
+        cl = rnd.late[m][c].cl
+        test = lateness_test(cl.blocks, int(np.flatnonzero(cl.members == m)[0]), m, rnd.noise)
+        if test is not None:
+            found.append(test)
+    holding = [test for test in found if test.holds(tests)]
+    if holding:
+        return max(holding, key=lambda test: test.effect)
+    return max(found, key=lambda test: test.t, default=None)
 
 
 def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
@@ -446,6 +489,9 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     stages = _stages(table, layout)
     syncs = _step_syncs(table, stages)
     best: dict[int, SlowSuspect] = {}
+    # every rank may be tested in every pass: the significance level is corrected for all of them
+    tests = max(table.world_size, 1) * len(plan)
+    rejected: list[SlowSuspect] = []
     windows: dict[int, int] = {}
     whole: set[int] = set()
     compared: set[int] = set()
@@ -465,8 +511,11 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                     (c, members[rows], enq[rows][:, cols], None if done is None else done[rows][:, cols])
                 )
                 compared.update(members[rows].tolist())
-        for suspect in _stragglers(part, hosts, strides, channels):
+        for suspect in _stragglers(part, hosts, strides, channels, tests):
             if window and suspect.relative < WINDOW_MIN_REL:
+                continue
+            if suspect.test is None or not suspect.test.holds(tests):
+                rejected.append(suspect)
                 continue
             if window:
                 suspect.evidence += f" ({window})"
@@ -490,7 +539,22 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
             "(a loss or a norm, once a step) and no pipeline transfer, and where ranks reach those is "
             "their place in a pipeline schedule as much as their speed (give the layout: --pp, --tp)"
         )
-    return SlowResult(suspects, offsets, len(mats), notes)
+    notes += _within_noise(rejected, {s.rank for s in suspects}, tests)
+    seen = [s.test.p * tests for s in [*rejected, *suspects] if s.test is not None]
+    return SlowResult(suspects, offsets, len(mats), notes, tests, min([1.0, *seen]))
+
+
+def _within_noise(rejected: list[SlowSuspect], named: set[int], tests: int) -> list[str]:
+    """A note on the rank that looked latest but did not pass the statistical test (none if named)."""
+    left = [(s.rank, s.test) for s in rejected if s.rank not in named and s.test is not None]
+    if not left:
+        return []
+    rank, test = max(left, key=lambda item: item[1].t)
+    return [
+        f"rank {rank} arrived late on average by {test.effect:.1%} of the call interval, within the job's "
+        f"own noise (block-to-block spread {test.noise:.1%}, corrected p {min(1.0, test.p * tests):.2g}, "
+        f"late in {test.late_share:.0%} of {test.blocks} blocks): not named"
+    ]
 
 
 def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
@@ -539,7 +603,10 @@ def _against_own_steps(table: TraceTable, ranks: set[int], compared: set[int]) -
             "compared with its own earlier steps."
         )
         sure = min(0.99, rise.excess / (4 * own_time.MIN_RISE)) * (rise.steps - rise.step) / rise.steps
-        out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess))
+        # own_time's rule (a rise of 5 times the step-to-step noise, held in 80 % of the steps on either
+        # side) is its calibration; the test's fields are reported alongside
+        test = rise_test(rise.excess, rise.noise, rise.step, rise.steps - rise.step)
+        out.append(SlowSuspect(rise.rank, round(float(sure), 2), how, rise.excess, test))
     return out
 
 
@@ -620,7 +687,7 @@ def _time_windows(comms: list[_Comm]) -> list[tuple[str, dict[int, np.ndarray], 
 
 
 def _stragglers(
-    mats: list, hosts: list[str], strides: dict[int, int], channels: frozenset[int]
+    mats: list, hosts: list[str], strides: dict[int, int], channels: frozenset[int], tests: int
 ) -> list[SlowSuspect]:
     """Stragglers among `mats`, pass after pass: a straggler drags the median of every instance it is in;
     once found it is left out of the medians and the next pass looks again, so a milder straggler sharing
@@ -645,5 +712,5 @@ def _stragglers(
         if not found:
             break
         stragglers.extend(found)
-        suspects.extend(_straggler(m, rnd) for m in found)
+        suspects.extend(_straggler(m, rnd, tests) for m in found)
     return suspects

@@ -11,8 +11,11 @@ Sources, each scored apart (a figure on the simulator the code was tuned to prov
   user from the public sii-research/Megatrace repository (trace/analysis/logs/log_rank2_slow).
 Real runs are scored twice, without layout flags and with the layout the run used; a run whose
 verdict changes between the two is counted. Per source: hang and slow precision/recall/F1 (a hit is
-the right verdict with the culprit ranked first), top-1 culprit accuracy over faulty runs, and false
-verdicts on healthy runs. `--record` records the corpus first (runs already recorded are kept).
+the right verdict with the culprit ranked first; a tied answer whose culprit is second counts as a
+miss there), top-1 culprit accuracy over faulty runs, false verdicts on healthy runs, and the hang
+answers split: confident ones (one rank named first, no tie) with their precision (right: a hang run,
+its culprit first), and tied ones with how often the tied set holds the culprit. `--record` records
+the corpus first (runs already recorded are kept).
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ class Score:
     runs: int = 0
     changed_by_flags: int = 0
     wrong: list[str] = field(default_factory=list)
+    # hang answers: confident (one rank first) and right; tied (the analyzer could not tell them apart)
+    # and holding the culprit
+    confident: list[int] = field(default_factory=lambda: [0, 0])
+    tied: list[int] = field(default_factory=lambda: [0, 0])
 
     def add(self, label: str, report: dict, kind: str, culprits: set[int]) -> None:
         """`kind`: healthy, hang or slow; `culprits`: the ranks to blame (empty when healthy)."""
@@ -104,6 +111,12 @@ class Score:
                 self.counts[verdict][1] += 1
             return
         self.faulty += 1
+        if verdict == "hang" and report.get("tie"):
+            self.tied[0] += 1
+            self.tied[1] += bool(set(report["tie"]["ranks"]) & culprits)
+        elif verdict == "hang":
+            self.confident[0] += 1
+            self.confident[1] += kind == "hang" and top in culprits
         hit = verdict == kind and top in culprits
         self.top1 += top in culprits
         if hit:
@@ -124,6 +137,14 @@ class Score:
         if self.faulty:
             print(f"   top-1 culprit: {self.top1}/{self.faulty} = {self.top1 / self.faulty:.3f}")
         print(f"   false verdicts on healthy runs: {self.false_on_healthy}/{self.healthy}")
+        answers = self.confident[0] + self.tied[0]
+        if answers:
+            right, total = self.confident[1], self.confident[0]
+            print(
+                f"   hang answers: {total} confident (precision {right / total if total else 1.0:.3f}), "
+                f"{self.tied[0]} tied ({self.tied[0] / answers:.0%} of hang answers; culprit in the tied "
+                f"set {self.tied[1]}/{self.tied[0]})"
+            )
         if self.changed_by_flags:
             print(f"   verdict changed by giving the layout: {self.changed_by_flags} run(s)")
 
@@ -168,6 +189,46 @@ def score_corpus(root: Path) -> list[Score]:
     return list(scores.values())
 
 
+def score_converted(root: Path, min_pp: int = 4) -> list[Score]:
+    """Runs of pipelines of `min_pp` stages or more, from Megatrace-format logs made from their ring
+    files (bench/ring_to_nccl_log.py), without and with the layout flags."""
+    import ring_to_nccl_log
+
+    scores = [Score(f"real runs, Megatrace-format logs (converted), PP >= {min_pp}, {how}") for how in
+              ("no layout flags", "layout given")]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in sorted(p for p in root.iterdir() if (p / "label.json").exists() and (p / "done").exists()):
+            label = json.loads((run / "label.json").read_text())
+            if label["pp"] < min_pp:
+                continue
+            logs = Path(tmp) / run.name
+            ring_to_nccl_log.convert(run / "trace" / run.name, logs)
+            kind = "healthy" if label["fault"] == "none" else label["fault"].split("-")[0]
+            culprits = set() if kind == "healthy" else {label["rank"]}
+            layout = LayoutConfig(world_size=label["world"], tp=label["tp"], pp=label["pp"])
+            scores[0].add(run.name, analyze([logs]), kind, culprits)
+            scores[1].add(run.name, analyze([logs], layout), kind, culprits)
+    return scores
+
+
+def noise_summary(root: Path) -> None:
+    """The load average (1 min) the runs reached, quiet and noisy apart, from each run's noise.json."""
+    for noisy in (False, True):
+        loads = []
+        for run in sorted(root.glob("*/noise.json")):
+            noise = json.loads(run.read_text())
+            if bool(noise["hogs"]) == noisy:
+                loads.append((noise["load_mean"], noise["load_max"], noise.get("memory_limit_hits", 0)))
+        if loads:
+            means = sorted(m for m, _x, _h in loads)
+            print(
+                f"{'noisy' if noisy else 'quiet'} runs: {len(loads)}, load average mean per run "
+                f"{means[0]:.1f}-{means[-1]:.1f} (median {means[len(means) // 2]:.1f}), max reached "
+                f"{max(x for _m, x, _h in loads):.1f}, runs with memory limit hits "
+                f"{sum(1 for _m, _x, h in loads if h)}"
+            )
+
+
 def score_megatrace_sample(folder: Path) -> Score:
     """Megatrace's published sample, rank 2 slowed: read with and without the layout it ran with."""
     score = Score("Megatrace's published sample (log_rank2_slow)")
@@ -187,6 +248,9 @@ def main() -> None:
     parser.add_argument("--record", action="store_true", help="record the corpus's missing runs first")
     parser.add_argument("--megatrace-sample", type=Path, help="folder of Megatrace's log_rank2_slow logs")
     parser.add_argument("--verbose", action="store_true", help="print every wrong answer")
+    parser.add_argument(
+        "--converted", action="store_true", help="also score PP >= 4 runs as converted Megatrace logs"
+    )
     args = parser.parse_args()
     started = time.perf_counter()
     scores = []
@@ -199,6 +263,10 @@ def main() -> None:
         scores.append(score_simulator(args))
     if args.corpus:
         scores.extend(score_corpus(args.corpus))
+        noise_summary(args.corpus)
+    if args.corpus and args.converted:
+        sys.path.insert(0, str(Path(__file__).parent))
+        scores.extend(score_converted(args.corpus))
     if args.megatrace_sample:
         scores.append(score_megatrace_sample(args.megatrace_sample))
     for score in scores:

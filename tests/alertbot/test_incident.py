@@ -45,11 +45,11 @@ def rank_hangs(status: str = "firing") -> list[dict]:
     return [alert(status=status, ends_at=T0 + 300, severity="P3", job="llm-7", rank=str(r)) for r in range(8)]
 
 
-def drilldown(tmp_path: Path, wait: float) -> tuple[dict, Path]:
+def drilldown(tmp_path: Path, wait: float, verdict: dict = VERDICT) -> tuple[dict, Path]:
     root = tmp_path / "traces"
     (root / "llm-7").mkdir(parents=True)
     gate = tmp_path / "gate"
-    (tmp_path / "report.json").write_text(json.dumps(VERDICT))
+    (tmp_path / "report.json").write_text(json.dumps(verdict))
     (tmp_path / "stub.py").write_text(STUB)
     command = [sys.executable, str(tmp_path / "stub.py"), str(gate), str(tmp_path / "report.json")]
     return {"trace_roots": [str(root)], "analyzer_command": command, "verdict_wait_s": wait}, gate
@@ -238,6 +238,40 @@ def test_a_verdict_after_the_card_was_frozen_comes_as_its_update(
     assert title(message.body["content"]) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
     (update,) = feishu.select("update", message.message_id)
     assert title(update.body["card"]) == "[P0] FIRING: rank 5 hung on gpu-9 — job llm-7"
+    runner.shutdown()
+
+
+TIE = "these Flight Recorder dumps record no pipeline send or receive"
+TIED_VERDICT = {
+    "verdict": "hang",
+    "suspects": [
+        {"rank": r, "kind": "hang", "confidence": 0.5, "evidence": f"rank {r} never issued it.", "tied": True}
+        for r in (0, 4)
+    ],
+    "tie": {"ranks": [0, 4], "reason": f"ranks 0, 4 are tied: {TIE}"},
+}
+
+
+def test_a_tied_verdict_names_both_ranks_and_why(tmp_path: Path, feishu: FeishuServer) -> None:
+    """The analyzer could not tell the hung rank from its pipeline neighbour: the card says "rank 0 or
+    rank 4" and why, with no confidence (it used to name suspects[0], rank 0, at 50 %)."""
+    settings, gate = drilldown(tmp_path, wait=0.0, verdict=TIED_VERDICT)
+    gate.touch()
+    app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret, "chats": {"P0": "oc_p0"}}
+    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "app": app}, drilldown=settings))
+    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
+    bot.receive(webhook(job_hang(), *rank_hangs()), T0)
+    bot.drain()
+    (row,) = bot.store.pending_drilldowns()
+    runner.run(row["id"])
+    bot.drain()
+    (message,) = feishu.messages("oc_p0")
+    (update,) = feishu.select("update", message.message_id)
+    card = update.body["card"]
+    assert title(card) == "[P0] FIRING: rank 0 or rank 4 hung — job llm-7"
+    assert "**Culprit**: rank **0** or rank **4** (tied: the traces cannot tell them apart)" in text(card)
+    assert f"**Why tied**: ranks 0, 4 are tied: {TIE}" in text(card)
+    assert "confidence" not in text(card)
     runner.shutdown()
 
 

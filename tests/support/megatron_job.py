@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
+import functools
 import json
 import os
 import signal
@@ -341,7 +342,7 @@ def _zero_step(job: _Job, modules: list) -> None:
     dist.all_gather_into_tensor(gathered, shard, group=job.dp_group)
 
 
-def _fr_dumper(job: _Job, stop: threading.Event) -> None:
+def fr_dumper(job: _Job, stop: threading.Event) -> None:
     """Dump the Flight Recorder when the launcher asks (a hang), from a thread: the main one may be stuck."""
     request = Path(job.args.out, DUMP_REQUEST)
     while not stop.wait(0.1):
@@ -379,7 +380,7 @@ def worker(args: argparse.Namespace) -> None:
     params = [p for _module, stage in stages for p in stage.parameters()]
     optimizer = torch.optim.SGD(params, lr=0.001)
     stop = threading.Event()
-    threading.Thread(target=_fr_dumper, args=(job, stop), daemon=True).start()
+    threading.Thread(target=fr_dumper, args=(job, stop), daemon=True).start()
     for step in range(args.steps):
         job.step = step
         optimizer.zero_grad()
@@ -392,8 +393,11 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
-    """Start the workers as torchrun would; for a hang, ask for the dumps once the job is stuck, then kill."""
+def launch(
+    args: argparse.Namespace, worker_argv: list[str], module: str = "tests.support.megatron_job"
+) -> int:
+    """Start the workers (`module` ``--worker``) as torchrun would; for a hang, ask for the dumps once the
+    job is stuck, then kill."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -410,7 +414,7 @@ def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
             OMP_NUM_THREADS="1",
             TORCH_FR_BUFFER_SIZE=os.environ.get("TORCH_FR_BUFFER_SIZE", "20000"),
         )
-        argv = [sys.executable, "-m", "tests.support.megatron_job", "--worker", *worker_argv]
+        argv = [sys.executable, "-m", module, "--worker", *worker_argv]
         procs.append(subprocess.Popen(argv, env=env))
     deadline = time.monotonic() + args.deadline
     hung_since = None
@@ -451,21 +455,36 @@ def launch(args: argparse.Namespace, worker_argv: list[str]) -> int:
 
 
 def run_traced(
-    folder: Path, job: str, job_args: list[str], capacity: int = 0, capture: str = "native"
+    folder: Path,
+    job: str,
+    job_args: list[str],
+    capacity: int = 0,
+    capture: str = "native",
+    module: str = "tests.support.megatron_job",
+    cgroup: Path | None = None,
 ) -> int:
-    """Run the job (`job_args`: this module's options but ``--out``) under ``megatrace trace``, as a user
-    would: ring files and stall dumps in `folder`/trace/`job`; label, hang marks and Flight Recorder dumps
-    in `folder`; output in `folder`/job.log. Returns the exit code."""
+    """Run the job (`module` with `job_args`: its options but ``--out``) under ``megatrace trace``, as a
+    user would: ring files and stall dumps in `folder`/trace/`job`; label, hang marks and Flight Recorder
+    dumps in `folder`; output in `folder`/job.log. `cgroup`: a cgroup v1 folder the job runs in (its
+    processes join it before the tracer starts). Returns the exit code."""
     argv = [
         sys.executable, "-m", "megatrace.cli", "trace", f"--trace-dir={folder / 'trace'}", f"--job={job}",
         "--stall-ms=1500", *([f"--capacity={capacity}"] if capacity else []), "--",
-        sys.executable, "-m", "tests.support.megatron_job", *job_args, f"--out={folder}",
+        sys.executable, "-m", module, *job_args, f"--out={folder}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRACE_")}
     env["MEGATRACE_TRACE_NATIVE"] = "1" if capture == "native" else "0"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    join = None if cgroup is None else functools.partial(_join_cgroup, cgroup)
     with open(folder / "job.log", "wb") as log:
-        return subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(
+            argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=join
+        ).returncode
+
+
+def _join_cgroup(cgroup: Path) -> None:
+    """In the child before it runs the job: move this process into `cgroup` (its children follow)."""
+    (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def build_parser() -> argparse.ArgumentParser:

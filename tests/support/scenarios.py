@@ -49,6 +49,12 @@ class Scenario:
     compute_ms: float = 10.0
     comm_ms: float = 1.0
     jitter: float = 0.02
+    # host noise as a busy node imposes it: at every compute, a rank not already delayed starts a burst of
+    # load with this chance; a burst lasts a geometric number of computes (mean `burst_len`) and stretches
+    # each by an exponential extra time of mean `burst_ms` drawn once per burst
+    burst_chance: float = 0.0
+    burst_ms: float = 0.0
+    burst_len: float = 5.0
     slow: dict[int, float] = field(default_factory=dict)  # rank -> slowdown (0.1 = 10 % slower)
     skew_ms: dict[int, float] = field(default_factory=dict)  # node -> clock offset
     hang_rank: list[int] = field(default_factory=list)  # compute hang of these ranks ...
@@ -106,9 +112,19 @@ def simulate(sc: Scenario) -> Trace:
             comms.append(members)
         return comm_index[key]
 
+    burst_left = np.zeros(w, dtype=np.int64)
+    burst_extra = np.zeros(w)
+
     def compute(ranks: np.ndarray, ms: float) -> None:
         noise = 1.0 + sc.jitter * rng.standard_normal(len(ranks))
         t_free[ranks] += ms * 1e6 * factor[ranks] * np.clip(noise, 0.5, 1.5)
+        if sc.burst_chance:
+            start = ranks[(burst_left[ranks] == 0) & (rng.random(len(ranks)) < sc.burst_chance)]
+            burst_left[start] = rng.geometric(1.0 / sc.burst_len, len(start))
+            burst_extra[start] = rng.exponential(sc.burst_ms * 1e6, len(start))
+            busy = ranks[burst_left[ranks] > 0]
+            t_free[busy] += burst_extra[busy] * rng.random(len(busy))
+            burst_left[busy] -= 1
 
     def next_slot() -> int:
         if slot[0] == sc.hang_at:
