@@ -29,6 +29,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -61,6 +62,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WINDOW_KEYS = {field.name for field in dataclasses.fields(Window)}
+MAX_QUERY_FIELDS = 8
+INTEGER = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: str.isdigit() also admits "²"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +193,15 @@ def _error(message: str) -> bytes:
 def parse_window(query: str) -> Window:
     """A `Window` from a query string; Refused (400) for unknown keys or values that are not integers."""
     values: dict[str, int] = {}
-    for key, value in parse_qsl(query, keep_blank_values=True, max_num_fields=8):
+    try:
+        fields = parse_qsl(query, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:
+        raise Refused(400, f"at most {MAX_QUERY_FIELDS} query fields are accepted") from None
+    for key, value in fields:
         if key not in WINDOW_KEYS:
             raise Refused(400, f"unknown query key {key[:40]!r} (known: {', '.join(sorted(WINDOW_KEYS))})")
-        if not value.lstrip("-").isdigit() or len(value) > 20:
-            raise Refused(400, f"{key}= must be an integer, got {value[:40]!r}")
+        if not INTEGER.fullmatch(value) or not -(2**63) <= int(value) < 2**63:
+            raise Refused(400, f"{key}= must be an integer of at most 64 bits, got {value[:40]!r}")
         values[key] = int(value)
     return Window(**values)
 
@@ -300,7 +307,10 @@ class TraceEndpoint:
         except WindowTooLarge as exc:
             raise Refused(413, str(exc)) from None
         except (RingFormatError, OSError) as exc:
-            raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({exc})") from None
+            reason = (
+                str(exc).replace(str(path), path.name) if isinstance(exc, RingFormatError) else exc.strerror
+            )
+            raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({reason})") from None
 
     def collect(self) -> Iterator[Metric]:
         families = FamilySet("trace_endpoint")
