@@ -54,6 +54,9 @@ def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s:
     slow = detect_slow(table, inferred.layout if contradiction else resolved)
     report = build_report(table, loaded, hang, slow, resolved)
     report["layout_inferred"] = inferred.as_dict()
+    if len(table) == 0 and table.ranks:  # files read, but no rank issued a collective: nothing to judge
+        report |= {"verdict": "no-data", "suspects": [], "victims": []}
+        report["notes"].append("the trace files hold no collective call of any rank: nothing to judge")
     return report, table
 
 
