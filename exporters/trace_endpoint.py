@@ -16,9 +16,11 @@ is read from ``trace_token_file``, re-read when the file changes, as a mounted S
 Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a malformed path or
 query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
 root, 404 for an unknown job, rank or dump, 413 past the response bounds, 503 while
-``trace_max_concurrent`` requests are being served. Bodies are gzip-compressed for clients that
-accept it. Windows are cut and compressed in a lower-priority process (`megatrace.exporters.
-trace_workers`), so serving a drill-down barely slows the agent's scrapes. Its own series:
+``trace_max_concurrent`` requests are being served. A client has ``read_timeout_s`` to send its
+request, and at most ``max_connections`` are open (`megatrace.exporters.http_limits`). Bodies are
+gzip-compressed for clients that accept it. Windows are cut and compressed in a lower-priority
+process (`megatrace.exporters.trace_workers`), so serving a drill-down barely slows the agent's
+scrapes. Its own series:
 ``megatrace_trace_endpoint_requests_total{code}`` and ``megatrace_trace_endpoint_sent_bytes_total``.
 """
 
@@ -33,7 +35,6 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
@@ -41,6 +42,12 @@ from urllib.parse import parse_qsl
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.exporters.http_limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    BoundedHandler,
+    BoundedHTTPServer,
+)
 from megatrace.exporters.podresources import PodLookup, pod_lookup
 from megatrace.exporters.settings import parse_listen
 from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none
@@ -122,19 +129,20 @@ class Served:
             self.sent_bytes += nbytes
 
 
-class TraceServer(ThreadingHTTPServer):
-    """The endpoint's HTTP server: one thread per request, at most `max_concurrent` doing work."""
+class TraceServer(BoundedHTTPServer):
+    """The endpoint's HTTP server: one thread per connection within the bounds of `http_limits`, at
+    most `max_concurrent` doing work."""
 
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], endpoint: TraceEndpoint) -> None:
+    def __init__(
+        self, address: tuple[str, int], endpoint: TraceEndpoint, read_timeout_s: float, max_connections: int
+    ) -> None:
         self.endpoint = endpoint
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
-        super().__init__(address, TraceHandler)
+        super().__init__(address, TraceHandler, read_timeout_s, max_connections)
 
 
-class TraceHandler(BaseHTTPRequestHandler):
+class TraceHandler(BoundedHandler):
     server: TraceServer
     server_version = "megatrace-trace-endpoint"
     protocol_version = "HTTP/1.1"
@@ -219,6 +227,8 @@ class TraceEndpoint:
         max_concurrent: int,
         node_name: str = "",
         pods: PodLookup | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.store = TraceStore(trace_dir)
         self.token = TokenFile(token_file)
@@ -229,7 +239,7 @@ class TraceEndpoint:
         self.pods = pods
         self.served = Served()
         self.workers = Workers()
-        self.server = TraceServer(address, self)
+        self.server = TraceServer(address, self, read_timeout_s, max_connections)
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="trace-endpoint", daemon=True)
         self._thread.start()
@@ -348,4 +358,6 @@ def build(config: ExporterConfig, nvml: object = None) -> TraceEndpoint:
         config.trace_max_concurrent,
         config.node_name,
         pods,
+        config.read_timeout_s,
+        config.max_connections,
     )
