@@ -12,10 +12,15 @@ BUILD_COMMANDS := g++ ninja valgrind
 HAVE_PYTHON_H := $(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))"
 PYTEST_ARGS ?= -n auto
 
-.PHONY: test demo lint deps debs venv clean native
+.PHONY: test test-loaded demo lint deps debs venv clean native
 
 test: deps lint native
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The suite beside CPU hogs that keep the load average at or above 4, as on a shared machine; the
+# load sampled during the run is printed at the end, and the hogs stop however the run ends.
+test-loaded: deps lint native
+	$(BIN)/python -m tests.support.loaded --floor 4 -- $(BIN)/pytest $(PYTEST_ARGS)
 
 # The tracer's native capture (C++ against the installed torch); the tracer falls back to Python without it.
 native: deps

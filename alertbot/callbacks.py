@@ -34,6 +34,7 @@ from lark_oapi.event.callback.model.p2_card_action_trigger import (
 )
 
 from megatrace.alertbot.config import CallbackConfig
+from megatrace.alertbot.long_connection import GuardedClient
 
 log = logging.getLogger(__name__)
 CARD_ACTION = "card.action.trigger"
@@ -119,7 +120,7 @@ def warm_up(cfg: CallbackConfig) -> None:
 Handler = Callable[[dict[str, Any], str], dict[str, Any]]
 
 
-def long_connection(app_id: str, app_secret: str, domain: str, handle: Handler) -> lark_oapi.ws.Client:
+def long_connection(app_id: str, app_secret: str, domain: str, handle: Handler) -> GuardedClient:
     """lark-oapi's websocket client, delivering card actions to `handle(callback, source)`."""
 
     def on_card_action(data: P2CardActionTrigger) -> P2CardActionTriggerResponse:
@@ -131,7 +132,7 @@ def long_connection(app_id: str, app_secret: str, domain: str, handle: Handler) 
         .register_p2_card_action_trigger(on_card_action)
         .build()
     )
-    return lark_oapi.ws.Client(
+    return GuardedClient(
         app_id, app_secret, event_handler=dispatcher, domain=domain, log_level=lark_oapi.LogLevel.WARNING
     )
 

@@ -55,6 +55,7 @@ def _load(args: argparse.Namespace, path: str | None, serving: bool = True) -> b
 
 def run_service(args: argparse.Namespace) -> int:
     from megatrace.alertbot.service import Service
+    from megatrace.alertbot.store import StoreError
 
     cfg = _load(args, args.config)
     try:
@@ -62,6 +63,9 @@ def run_service(args: argparse.Namespace) -> int:
     except OSError as exc:
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"megatrace alertbot: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    except StoreError as exc:
+        print(f"megatrace alertbot: cannot start: {exc}", file=sys.stderr)
         return 1
     service.run_forever()
     return 0

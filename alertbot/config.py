@@ -362,6 +362,19 @@ def agent_discovery_problems(drill: DrilldownConfig) -> list[str]:
     return problems
 
 
+def store_url_problems(url: str) -> list[str]:
+    """What is wrong with `store.url`, in words that never repeat it (it may hold a password)."""
+    if not url:
+        return []
+    if not re.match(r"^postgres(ql)?://", url):
+        return ["key 'store.url': expected a postgresql:// URL (the value is not shown)"]
+    try:
+        urlsplit(url).port  # noqa: B018 -- parsing the port is the check
+    except ValueError:
+        return ["key 'store.url': not a valid URL (a bracket unclosed, or a port not from 0 to 65535)"]
+    return []
+
+
 def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotConfig:
     """Cross-field checks; raises ConfigError naming the key. Registers every secret for log masking.
     `serving=False` (reports) does not ask for the webhook credentials."""
@@ -385,8 +398,7 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
     }
     for key, values in level_lists.items():
         problems += [f"key '{key}': {v!r} is not a level (P0..P3)" for v in values if v not in LEVELS]
-    if cfg.store.url and not re.match(r"^postgres(ql)?://", cfg.store.url):
-        problems.append("key 'store.url': expected a postgresql:// URL")
+    problems += store_url_problems(cfg.store.url)
     if not 3 * cfg.feishu.timeout_s < cfg.store.lease_s <= 3600:
         problems.append("key 'store.lease_s': must be more than 3 × feishu.timeout_s and at most 3600")
     if cfg.store.synchronous.upper() not in ("NORMAL", "FULL", "EXTRA"):
@@ -478,6 +490,8 @@ def oncall_problems(cfg: AlertbotConfig) -> list[str]:
             problems.append(f"key 'oncall.escalation.{level}.phone': expected primary or everyone")
     if oncall.escalation and not oncall.roster:
         problems.append("key 'oncall.escalation': needs oncall.roster")
+    if callback.max_skew_s <= 0:
+        problems.append("key 'feishu.callback.max_skew_s': must be more than 0 (seconds)")
     if callback.mode not in ("", "request_url", "long_connection"):
         problems.append("key 'feishu.callback.mode': expected request_url or long_connection")
     if callback.mode and (not app_configured(cfg) or not oncall.roster):

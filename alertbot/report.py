@@ -7,8 +7,10 @@ its first alert, lasting until its last resolved, with its culprit and how many 
 from __future__ import annotations
 
 import collections
+import io
 import json
 import statistics
+import zipfile
 from datetime import date, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,29 @@ def size_columns(sheet: Any) -> None:
     for column in sheet.columns:
         longest = max((len(str(cell.value)) for cell in column if cell.value is not None), default=0)
         sheet.column_dimensions[column[0].column_letter].width = min(MAX_WIDTH, longest + 2)
+
+
+def text_only(sheet: Any) -> None:
+    """Every text cell stays text: openpyxl makes a string starting with ``=`` a formula, and alert
+    text (a summary, a label) is data that must never run in the reader's spreadsheet program."""
+    for row in sheet.iter_rows():
+        for cell in row:
+            if isinstance(cell.value, str):
+                cell.data_type = "s"
+
+
+def saved(book: Workbook) -> bytes:
+    """The workbook's bytes, each carriage return in a sheet's text written as ``&#13;``: openpyxl
+    writes it raw, and an XML reader turns a raw one into a line feed (attributes never hold one)."""
+    raw, out = io.BytesIO(), io.BytesIO()
+    book.save(raw)
+    with zipfile.ZipFile(raw) as source, zipfile.ZipFile(out, "w") as target:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename.startswith("xl/worksheets/"):
+                data = data.replace(b"\r", b"&#13;")
+            target.writestr(item, data)
+    return out.getvalue()
 
 
 def _minutes(row: Any) -> float | None:
@@ -217,8 +242,10 @@ def build_report(
             ]
         )
     size_columns(duty)
+    for sheet in book.worksheets:
+        text_only(sheet)
     path.parent.mkdir(parents=True, exist_ok=True)
-    book.save(path)
+    path.write_bytes(saved(book))
     all_durations = [m for r in rows if (m := _minutes(r)) is not None]
     return {
         "title": f"Megatrace weekly alert report {first_day.isoformat()} – {last_day.isoformat()}",

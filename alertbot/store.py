@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatrace.logsetup import redact
+
 MIGRATIONS: tuple[str, ...] = (
     """
     CREATE TABLE inbox (
@@ -125,7 +127,11 @@ def open_store(url: str, path: str | Path, synchronous: str = "FULL") -> Store:
     if url:
         from megatrace.alertbot.store_postgres import PostgresStore
 
-        return PostgresStore(url)
+        try:
+            return PostgresStore(url)
+        except PostgresStore.errors as exc:
+            reason = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+            raise StoreError(f"store.url: cannot open the PostgreSQL database: {reason}") from None
     return Store(path, synchronous)
 
 

@@ -68,6 +68,9 @@ def _analyze_table(
     report["layout_inferred"] = inferred.as_dict()
     if uncollected:
         report["uncollected_ranks"] = sorted(uncollected)
+    if len(table) == 0 and table.ranks:  # files read, but no rank issued a collective: nothing to judge
+        report |= {"verdict": "no-data", "suspects": [], "victims": []}
+        report["notes"].append("the trace files hold no collective call of any rank: nothing to judge")
     return report, table
 
 

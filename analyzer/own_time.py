@@ -147,8 +147,13 @@ def rises(times: np.ndarray) -> dict[int, Rise]:
                 continue
             others = float(np.median(np.delete(rise, r))) if rows > 1 else 0.0
             excess = (1.0 + rise[r]) / (1.0 + others) - 1.0
-            line = base[r] * (1.0 + MIN_RISE / 2) * (1.0 + others)
-            above, below = (times[r, split:] > line).mean(), (times[r, :split] <= line).mean()
+            # steps before the split against the rank's own level; steps after against it moved as
+            # the others' moved (the job's change happens at the split, not before it)
+            line = base[r] * (1.0 + MIN_RISE / 2)
+            above, below = (
+                (times[r, split:] > line * (1.0 + others)).mean(),
+                (times[r, :split] <= line).mean(),
+            )
             held = above >= MIN_SHARE and below >= MIN_SHARE
             if excess >= least and held and (r not in found or excess > found[r].excess):
                 found[r] = Rise(

@@ -88,7 +88,7 @@ class TraceTable:
         if self._spans is None:
             ranks = self.columns["rank"]
             uniq, starts = np.unique(ranks, return_index=True)
-            ends = np.append(starts[1:], len(ranks))
+            ends = np.append(starts[1:], len(ranks))[: len(starts)]  # no rows: no ranks, no ends
             self._spans = {int(u): (int(s), int(e)) for u, s, e in zip(uniq, starts, ends, strict=True)}
         return self._spans.get(rank, (0, 0))
 

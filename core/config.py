@@ -112,8 +112,9 @@ def _field_type(schema: type, path: list[str]) -> Any:
     return hint
 
 
-# Keys whose values are never shown in an error message: their values are (or hold) secrets.
-SECRET_KEY_PARTS = ("token", "secret", "password", "passwd", "credential", "webhook", "group_bots")
+# Keys whose values are never shown in an error message: their values are (or hold) secrets; a URL
+# may carry a password (``postgresql://user:password@host/db``).
+SECRET_KEY_PARTS = ("token", "secret", "password", "passwd", "credential", "webhook", "group_bots", "url")
 
 
 def is_secret_key(key: str) -> bool:

@@ -52,7 +52,9 @@ def run(config: ExporterConfig) -> int:
         return 1
     host, port = parse_listen(config.listen)
     try:
-        server = MetricsServer((host, port), build_registry(guarded))
+        server = MetricsServer(
+            (host, port), build_registry(guarded), config.read_timeout_s, config.max_connections
+        )
     except OSError as exc:
         log.error("cannot listen on %s: %s", config.listen, exc.strerror or exc)
         guarded.close()

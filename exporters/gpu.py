@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.exporters.guard import CollectorDown
 from megatrace.exporters.podresources import PodLookup
 from megatrace.exporters.xid import XidWatcher
 
@@ -60,6 +61,10 @@ def load_nvml() -> ModuleType:
     return pynvml
 
 
+def _down_reason(exc: Exception) -> str:
+    return f"NVML not available ({exc})"
+
+
 class GpuLost(Exception):
     """NVML says the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST)."""
 
@@ -83,6 +88,7 @@ class GpuCollector:
         self.xid: XidWatcher | None = None
         self._gpus: list[Gpu] | None = None
         self._driver = ""
+        self._announced = ""  # why NVML could not start with the agent, as logged then
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -94,7 +100,12 @@ class GpuCollector:
         try:
             self._init()
         except self.nvml.NVMLError as exc:
-            log.warning("NVML not available at start (%s); retrying at each scrape", exc)
+            self._announced = _down_reason(exc)
+            log.warning(
+                '%s: no GPU series, collector_up{collector="gpu"} 0 (normal on a node without GPUs); '
+                "retrying at each scrape",
+                self._announced,
+            )
 
     def _init(self) -> list[Gpu]:
         with self._lock:
@@ -128,7 +139,11 @@ class GpuCollector:
         return True
 
     def collect(self) -> Iterator[Metric]:
-        gpus = self._init()
+        try:
+            gpus = self._init()
+        except self.nvml.NVMLError as exc:
+            reason = _down_reason(exc)
+            raise CollectorDown(reason, announced=reason == self._announced) from None
         families = FamilySet("gpu")
         xids = self.xid.snapshot() if self.xid is not None else {}
         watched = set(self.xid.watched) if self.xid is not None else set()

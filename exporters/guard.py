@@ -1,10 +1,11 @@
 """Runs the enabled collectors for one scrape so that a failing one never breaks the others.
 
-Each collector's families are gathered in full, and checked to be encodable (every value a number a
-float can hold, every text UTF-8), before any is served: a collector that raises halfway or gives a
-value no exposition can write contributes nothing, reports ``megatrace_exporter_collector_up{collector}=0``
-and counts an error, and the rest of the scrape is served as usual. A failure is logged when it starts
-(or its reason changes), not at every scrape; its end is logged too.
+Each collector's families are gathered in full before any is served: a collector that raises halfway
+contributes nothing, reports ``megatrace_exporter_collector_up{collector}=0`` and counts an error, and
+the rest of the scrape is served as usual. Each value is then checked on its own: a sample no
+exposition can write (a number no float holds, text that is not UTF-8) or a counter below zero is
+left out, and only it. A failure is logged when it starts (or its reason changes), not at every
+scrape, in one line when the collector says what is missing (`CollectorDown`); its end is logged too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from megatrace.exporters.families import FixedSeriesFamily
 log = logging.getLogger(__name__)
 
 
+class CollectorDown(Exception):
+    """A collector cannot run for a reason its message says in full (no NVML on a CPU node): logged
+    as one line, without a traceback; `announced` when the collector has logged it already."""
+
+    def __init__(self, reason: str, announced: bool = False) -> None:
+        super().__init__(reason)
+        self.announced = announced
+
+
 class Collector(Protocol):
     """What prometheus_client calls at scrape time."""
 
@@ -35,6 +45,7 @@ class GuardedCollectors:
         self.collectors = dict(collectors)
         self._errors = dict.fromkeys(self.collectors, 0)
         self._failing: dict[str, str | None] = dict.fromkeys(self.collectors)
+        self._dropped: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
@@ -58,10 +69,10 @@ class GuardedCollectors:
             failure: Exception | None = None
             try:
                 families = list(collector.collect())
-                check_encodable(families)
             except Exception as exc:
                 families = []
                 failure = exc
+            dropped = drop_unwritable(families)
             elapsed = time.perf_counter() - start
             ok = failure is None
             with self._lock:
@@ -69,6 +80,7 @@ class GuardedCollectors:
                     self._errors[name] += 1
                 error_count = self._errors[name]
                 self._report(name, failure)
+                self._report_dropped(name, dropped)
             yield from families
             up.add_metric([name], 1.0 if ok else 0.0)
             duration.add_metric([name], elapsed)
@@ -88,12 +100,24 @@ class GuardedCollectors:
             return
         if failure is None:
             log.info("collector %s recovered", name)
+        elif isinstance(failure, CollectorDown):
+            if not failure.announced:
+                log.warning("collector %s down: %s; exporting collector_up 0", name, failure)
         else:
             log.error(
                 "collector %s failed; serving the others, exporting collector_up 0 until it recovers",
                 name,
                 exc_info=failure,
             )
+
+    def _report_dropped(self, name: str, dropped: dict[str, str]) -> None:
+        """Log each series left out of a scrape when it is first left out (or for a new reason)."""
+        for series, reason in dropped.items():
+            key = (name, series)
+            if self._dropped.get(key) != reason:
+                log.warning("collector %s: %s left out of the scrape: %s", name, series, reason)
+        self._dropped = {k: v for k, v in self._dropped.items() if k[0] != name}
+        self._dropped.update({(name, series): reason for series, reason in dropped.items()})
 
     def close(self) -> None:
         """Stop whatever background work the collectors hold (threads, library handles)."""
@@ -103,22 +127,51 @@ class GuardedCollectors:
                 close()
 
 
-def check_encodable(families: Iterable[Metric | FixedSeriesFamily]) -> None:
-    """Raise ValueError when a sample cannot be written: a value no float holds, text that is not UTF-8."""
+def drop_unwritable(families: Iterable[Metric | FixedSeriesFamily]) -> dict[str, str]:
+    """Remove, in place, each sample no exposition can write (a value no float holds, text that is not
+    UTF-8) and each counter below zero; returns why, by series (name and labels)."""
+    dropped: dict[str, str] = {}
     for family in families:
+        counter = family.type == "counter"
         if isinstance(family, FixedSeriesFamily):
-            for text, _, value in family.series:
-                _check_value(family.name, value)
-                text.encode("utf-8")
+            kept = []
+            for text, labels, value in family.series:
+                reason = _unwritable(value, labels, counter) or _not_utf8(text)
+                if reason:
+                    dropped[_series(family.sample_name, labels)] = reason
+                else:
+                    kept.append((text, labels, value))
+            family.series = kept
             continue
+        samples = []
         for sample in family.samples:
-            _check_value(sample.name, sample.value)
-            for label_value in sample.labels.values():
-                label_value.encode("utf-8")
+            reason = _unwritable(sample.value, sample.labels, counter and sample.name.endswith("_total"))
+            if reason:
+                dropped[_series(sample.name, sample.labels)] = reason
+            else:
+                samples.append(sample)
+        family.samples = samples
+    return dropped
 
 
-def _check_value(name: str, value: float) -> None:
+def _unwritable(value: float, labels: dict[str, str], counter: bool) -> str:
     try:
-        float(value)
+        number = float(value)
     except (OverflowError, TypeError, ValueError) as exc:
-        raise ValueError(f"{name}: a {type(value).__name__} value that cannot be exported ({exc})") from None
+        return f"a {type(value).__name__} value that cannot be exported ({str(exc)[:80]})"
+    if counter and number < 0:
+        return "a counter below zero"
+    return next(filter(None, (_not_utf8(text) for text in labels.values())), "")
+
+
+def _not_utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "text that is not UTF-8"
+    return ""
+
+
+def _series(name: str, labels: dict[str, str]) -> str:
+    shown = ",".join(f"{key}={value!r}" for key, value in sorted(labels.items()))
+    return f"{name}{{{shown}}}".encode("utf-8", "backslashreplace").decode()

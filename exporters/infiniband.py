@@ -182,7 +182,8 @@ def read_text(path: str | Path) -> str | None:
 
 
 def parse_counter(data: bytes) -> int | None:
-    """A counter's value, negative ones as they are; None when not a number (``N/A (no PMA)``)."""
+    """A counter's value as the file says it (the guard leaves out a negative one); None when not a number
+    (``N/A (no PMA)``)."""
     data = data.strip()
     return int(data) if data.removeprefix(b"-").isdigit() else None
 

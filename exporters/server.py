@@ -1,6 +1,7 @@
 """The agent's HTTP endpoint: ``/metrics`` (Prometheus text or OpenMetrics), ``/healthz`` and an index.
 
-Each request is served on its own thread; every scrape calls the collectors afresh. The Prometheus
+Each connection is served on its own thread, within a read deadline and a connection cap
+(`megatrace.exporters.http_limits`); every scrape calls the collectors afresh. The Prometheus
 text format (0.0.4, written by our fast encoder) is served to every client that accepts it — as
 node_exporter does — including Prometheus, which lists OpenMetrics first but accepts text too;
 OpenMetrics only goes to clients that accept nothing else.
@@ -10,12 +11,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from megatrace.exporters.exposition import render_text
+from megatrace.exporters.http_limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    BoundedHandler,
+    BoundedHTTPServer,
+)
 
 log = logging.getLogger(__name__)
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -50,17 +56,21 @@ def negotiate(accept: str) -> tuple[Callable[[CollectorRegistry], bytes], str]:
     return choose_encoder(accept)
 
 
-class MetricsServer(ThreadingHTTPServer):
-    """A threading HTTP server that serves `registry`."""
+class MetricsServer(BoundedHTTPServer):
+    """A threading HTTP server that serves `registry`, within the bounds of `http_limits`."""
 
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        registry: CollectorRegistry,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
         self.registry = registry
-        super().__init__(address, MetricsHandler)
+        super().__init__(address, MetricsHandler, read_timeout_s, max_connections)
 
 
-class MetricsHandler(BaseHTTPRequestHandler):
+class MetricsHandler(BoundedHandler):
     server: MetricsServer
     server_version = "megatrace-exporter"
     protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses its connection between scrapes

@@ -9,6 +9,7 @@ from typing import Any
 
 from megatrace.config import ConfigError, load_config
 from megatrace.exporters.collectors import COLLECTORS, DEFAULT_COLLECTORS
+from megatrace.exporters.http_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 
 DEFAULT_PORT = 9450
 DEFAULT_TRACE_PORT = 9452
@@ -41,6 +42,10 @@ class ExporterConfig:
     trace_max_records: int = 200_000
     trace_max_response_bytes: int = 64 << 20
     trace_max_concurrent: int = 4
+    # Both HTTP servers (/metrics, the trace endpoint): seconds a client has to send its request
+    # line and headers, and the most connections each keeps open (see megatrace.exporters.http_limits).
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     # The Kubernetes node (or host) the agent reports its ranks on; "" is the machine's host name.
     node_name: str = ""
 
@@ -76,6 +81,10 @@ def check(config: ExporterConfig, source: str) -> ExporterConfig:
     for key in ("trace_max_records", "trace_max_response_bytes", "trace_max_concurrent"):
         if getattr(config, key) < 1:
             raise ConfigError(f"{source}: key '{key}': must be at least 1")
+    if not 0 < config.read_timeout_s <= 3600:
+        raise ConfigError(f"{source}: key 'read_timeout_s': must be more than 0 and at most 3600")
+    if config.max_connections < 1:
+        raise ConfigError(f"{source}: key 'max_connections': must be at least 1")
     if config.tracer_grace_seconds < 0:
         raise ConfigError(f"{source}: key 'tracer_grace_seconds': must not be negative")
     if config.xid_wait_ms < 1:

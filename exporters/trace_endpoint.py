@@ -16,9 +16,11 @@ is read from ``trace_token_file``, re-read when the file changes, as a mounted S
 Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a malformed path or
 query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
 root, 404 for an unknown job, rank or dump, 413 past the response bounds, 503 while
-``trace_max_concurrent`` requests are being served. Bodies are gzip-compressed for clients that
-accept it. Windows are cut and compressed in a lower-priority process (`megatrace.exporters.
-trace_workers`), so serving a drill-down barely slows the agent's scrapes. Its own series:
+``trace_max_concurrent`` requests are being served. A client has ``read_timeout_s`` to send its
+request, and at most ``max_connections`` are open (`megatrace.exporters.http_limits`). Bodies are
+gzip-compressed for clients that accept it. Windows are cut and compressed in a lower-priority
+process (`megatrace.exporters.trace_workers`), so serving a drill-down barely slows the agent's
+scrapes. Its own series:
 ``megatrace_trace_endpoint_requests_total{code}`` and ``megatrace_trace_endpoint_sent_bytes_total``.
 """
 
@@ -29,10 +31,10 @@ import hmac
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
@@ -40,6 +42,12 @@ from urllib.parse import parse_qsl
 from prometheus_client.core import Metric
 
 from megatrace.exporters.families import FamilySet
+from megatrace.exporters.http_limits import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+    BoundedHandler,
+    BoundedHTTPServer,
+)
 from megatrace.exporters.podresources import PodLookup, pod_lookup
 from megatrace.exporters.settings import parse_listen
 from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none
@@ -61,6 +69,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WINDOW_KEYS = {field.name for field in dataclasses.fields(Window)}
+MAX_QUERY_FIELDS = 8
+INTEGER = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: str.isdigit() also admits "²"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,19 +129,20 @@ class Served:
             self.sent_bytes += nbytes
 
 
-class TraceServer(ThreadingHTTPServer):
-    """The endpoint's HTTP server: one thread per request, at most `max_concurrent` doing work."""
+class TraceServer(BoundedHTTPServer):
+    """The endpoint's HTTP server: one thread per connection within the bounds of `http_limits`, at
+    most `max_concurrent` doing work."""
 
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], endpoint: TraceEndpoint) -> None:
+    def __init__(
+        self, address: tuple[str, int], endpoint: TraceEndpoint, read_timeout_s: float, max_connections: int
+    ) -> None:
         self.endpoint = endpoint
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
-        super().__init__(address, TraceHandler)
+        super().__init__(address, TraceHandler, read_timeout_s, max_connections)
 
 
-class TraceHandler(BaseHTTPRequestHandler):
+class TraceHandler(BoundedHandler):
     server: TraceServer
     server_version = "megatrace-trace-endpoint"
     protocol_version = "HTTP/1.1"
@@ -190,11 +201,15 @@ def _error(message: str) -> bytes:
 def parse_window(query: str) -> Window:
     """A `Window` from a query string; Refused (400) for unknown keys or values that are not integers."""
     values: dict[str, int] = {}
-    for key, value in parse_qsl(query, keep_blank_values=True, max_num_fields=8):
+    try:
+        fields = parse_qsl(query, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:
+        raise Refused(400, f"at most {MAX_QUERY_FIELDS} query fields are accepted") from None
+    for key, value in fields:
         if key not in WINDOW_KEYS:
             raise Refused(400, f"unknown query key {key[:40]!r} (known: {', '.join(sorted(WINDOW_KEYS))})")
-        if not value.lstrip("-").isdigit() or len(value) > 20:
-            raise Refused(400, f"{key}= must be an integer, got {value[:40]!r}")
+        if not INTEGER.fullmatch(value) or not -(2**63) <= int(value) < 2**63:
+            raise Refused(400, f"{key}= must be an integer of at most 64 bits, got {value[:40]!r}")
         values[key] = int(value)
     return Window(**values)
 
@@ -212,6 +227,8 @@ class TraceEndpoint:
         max_concurrent: int,
         node_name: str = "",
         pods: PodLookup | None = None,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.store = TraceStore(trace_dir)
         self.token = TokenFile(token_file)
@@ -222,7 +239,7 @@ class TraceEndpoint:
         self.pods = pods
         self.served = Served()
         self.workers = Workers()
-        self.server = TraceServer(address, self)
+        self.server = TraceServer(address, self, read_timeout_s, max_connections)
         self.address = self.server.server_address
         self._thread = threading.Thread(target=self.server.serve_forever, name="trace-endpoint", daemon=True)
         self._thread.start()
@@ -300,7 +317,10 @@ class TraceEndpoint:
         except WindowTooLarge as exc:
             raise Refused(413, str(exc)) from None
         except (RingFormatError, OSError) as exc:
-            raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({exc})") from None
+            reason = (
+                str(exc).replace(str(path), path.name) if isinstance(exc, RingFormatError) else exc.strerror
+            )
+            raise Refused(404, f"rank {rank} of job {job!r}: unreadable ring ({reason})") from None
 
     def collect(self) -> Iterator[Metric]:
         families = FamilySet("trace_endpoint")
@@ -338,4 +358,6 @@ def build(config: ExporterConfig, nvml: object = None) -> TraceEndpoint:
         config.trace_max_concurrent,
         config.node_name,
         pods,
+        config.read_timeout_s,
+        config.max_connections,
     )

@@ -1,7 +1,8 @@
 """Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
 
 Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
-``job`` (the training job), ``rank`` and ``local_rank`` (per-communicator series also ``comm``);
+``job`` (the training job) and ``rank`` as the file's folder and name give them, and ``local_rank``
+(per-communicator series also ``comm``);
 Prometheus must scrape with ``honor_labels: true`` so `job` is kept. A rank is alive while its
 header says it has not finished and its writer still holds its lock on the file, which works across
 PID namespaces (for files from writers that do not lock: while its pid exists in ours).
@@ -75,7 +76,9 @@ class TracerCollector:
     def rank_files(self) -> list[Path]:
         """Ring files of all jobs (regular files only: a FIFO would hang the read), sorted by job folder
         then rank."""
-        found = [path for path in self.trace_dir.glob("*/rank-*.trace") if is_regular(path)]
+        found = [
+            path for path in self.trace_dir.glob("*/rank-*.trace") if _rank_of(path) >= 0 and is_regular(path)
+        ]
         return sorted(found, key=lambda p: (p.parent.name, _rank_of(p)))
 
     def collect(self) -> Iterator[Metric]:
@@ -92,7 +95,7 @@ class TracerCollector:
             alive = not header.finished and self.is_alive(path, header)
             if not self._still_exported(path, alive, now):
                 continue
-            self._export(families, header, path.parent.name, alive, now)
+            self._export(families, header, path.parent.name, _rank_of(path), alive, now)
         with self._lock:
             for path in set(self._gone_since) - seen:
                 del self._gone_since[path]
@@ -107,8 +110,10 @@ class TracerCollector:
         return now - since <= self.grace_seconds
 
     @staticmethod
-    def _export(families: FamilySet, h: RingHeader, folder: str, alive: bool, now: float) -> None:
-        labels = {"job": h.job or folder, "rank": str(h.rank), "local_rank": str(h.local_rank)}
+    def _export(families: FamilySet, h: RingHeader, folder: str, rank: int, alive: bool, now: float) -> None:
+        # job and rank from where the file is (<trace_dir>/<job>/rank-<N>.trace), never from what it
+        # says: a file in another job's folder must not speak for that job
+        labels = {"job": folder, "rank": str(rank), "local_rank": str(h.local_rank)}
         for op, calls in sorted(h.calls_by_op.items()):
             if calls:
                 op_labels = {**labels, "op": op}
@@ -191,7 +196,7 @@ class TracerCollector:
 
 def _rank_of(path: Path) -> int:
     number = path.stem.removeprefix("rank-")
-    return int(number) if number.isdigit() else -1
+    return int(number) if number.isascii() and number.isdigit() and len(number) <= 9 else -1
 
 
 def _inflight_age(enqueue_ns: int, finished: bool, now: float) -> float:

@@ -116,3 +116,50 @@ def test_stack_settings_are_validated_with_a_sentence(overrides: dict, expected:
         load_config(StackConfig, overrides=overrides)
     assert expected in str(exc.value)
     assert "{" not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://alert:hunter2pw@[::1/alerts", "key 'store.url'"),
+        ("postgresql://alert:hunter2pw@db.example:99999/alerts", "key 'store.url'"),
+        ("postgresql://alert:hunter2pw@db.example:five/alerts", "key 'store.url'"),
+        ("postgresql://alert:hunter2pw@127.0.0.1:9/alerts", "store.url"),  # nothing listens on port 9
+    ],
+)
+def test_a_bad_store_url_is_one_line_without_its_password(
+    tmp_path: Path, clean_env, capsys: pytest.CaptureFixture[str], url: str, says: str
+) -> None:
+    path = tmp_path / "bot.yaml"
+    path.write_text(f"auth:\n  bearer_token: tok-1234\nstore:\n  url: '{url}'\n")
+    assert main(["alertbot", "--config", str(path)]) in (1, 2)
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and "hunter2pw" not in err
+
+
+@pytest.mark.parametrize(
+    "store",
+    [
+        "  url: [postgresql://alert:hunter2pw@db/alerts]\n",
+        "  url: {postgresql://alert:hunter2pw@db/alerts: 1}\n",
+        "  url: 20261123987654321\n",
+    ],
+)
+def test_a_store_url_of_the_wrong_type_is_not_printed(tmp_path: Path, clean_env, store: str) -> None:
+    path = tmp_path / "bot.yaml"
+    path.write_text(f"auth:\n  bearer_token: tok-1234\nstore:\n{store}")
+    with pytest.raises(ConfigError) as exc:
+        bot_config.load(path)
+    assert "key 'store.url'" in str(exc.value)
+    assert "hunter2pw" not in str(exc.value) and "20261123987654321" not in str(exc.value)
+
+
+@pytest.mark.parametrize("skew", [-1, 0, -0.5])
+def test_a_callback_skew_that_refuses_every_callback_is_refused(
+    tmp_path: Path, clean_env, skew: float
+) -> None:
+    path = tmp_path / "bot.yaml"
+    path.write_text(f"auth:\n  bearer_token: tok-1234\nfeishu:\n  callback:\n    max_skew_s: {skew}\n")
+    with pytest.raises(ConfigError, match=r"key 'feishu\.callback\.max_skew_s'"):
+        bot_config.load(path)

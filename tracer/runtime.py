@@ -75,9 +75,18 @@ class Tracer:
         self.futureless: set[int] = set()
         self.explicit_steps = False
         self.originals: dict[str, Callable] = {}
-        job_dir = job_trace_dir(settings.dir, settings.job)
+        job_dir, why = job_trace_dir(settings.dir, settings.job)
         if job_dir is None:
-            raise OSError(f"neither {settings.dir}/{settings.job} nor a temp-dir fallback can be written")
+            raise OSError(
+                f"neither {settings.dir}/{settings.job} nor a temp-dir fallback can be written ({why})"
+            )
+        if why:
+            print(
+                f"megatrace tracer: WARNING: {settings.dir}/{settings.job} cannot be used ({why}); tracing "
+                f"into {job_dir} instead, where the node agent does not look",
+                file=sys.stderr,
+                flush=True,
+            )
         self.job_dir = job_dir
         self.disabled = False  # set when the ring cannot be opened: the rank then runs untraced
         self._open_lock = threading.Lock()

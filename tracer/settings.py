@@ -99,18 +99,28 @@ def enabled_in(environ: Mapping[str, str]) -> bool:
     return raw.strip().lower() in ("1", "true", "yes", "on")
 
 
-def job_trace_dir(configured: str, job: str) -> Path | None:
+def job_trace_dir(configured: str, job: str) -> tuple[Path | None, str]:
     """The job's trace folder: `configured`/`job` if it is (or can be made) a writable folder, else
-    ``<temp dir>/megatrace/<job>``; None when neither can be (the caller then does not trace)."""
+    ``<temp dir>/megatrace/<job>``; None when neither can be (the caller then does not trace). The
+    second item says why `configured`/`job` was not used ("" when it was)."""
+    why = ""
     for base in (lambda: Path(configured), lambda: Path(tempfile.gettempdir()) / "megatrace"):
         try:
             path = base() / job
             path.mkdir(parents=True, exist_ok=True)
-        except OSError:  # read-only, no permission, `job` exists there as a file, no temp dir at all
+        except OSError as exc:  # read-only, no permission, `job` exists there as a file, no temp dir at all
+            why = why or _refusal(exc)
             continue
         if os.access(path, os.W_OK | os.X_OK) and _can_create_in(path):
-            return path
-    return None
+            return path, why
+        why = why or "cannot create files in it"
+    return None, why
+
+
+def _refusal(exc: OSError) -> str:
+    if isinstance(exc, FileExistsError):
+        return "something other than a folder is in its place"
+    return exc.strerror or str(exc)
 
 
 def _can_create_in(folder: Path) -> bool:

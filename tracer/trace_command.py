@@ -93,10 +93,13 @@ def tracing_problem(env: dict[str, str]) -> str | None:
         fault_settings(env)
     except ConfigError as exc:
         return f"bad tracer settings: {exc}"
-    job_dir = job_trace_dir(settings.dir, settings.job)
+    job_dir, why = job_trace_dir(settings.dir, settings.job)
     if job_dir is None:
-        return f"no writable trace folder ({settings.dir}/{settings.job}, nor one in the temp dir)"
-    print(f"megatrace trace: tracing into {job_dir}", file=sys.stderr, flush=True)
+        return f"no writable trace folder ({settings.dir}/{settings.job}: {why}; nor one in the temp dir)"
+    fallen_back = (
+        f" ({settings.dir}/{settings.job}: {why}; the node agent does not look there)" if why else ""
+    )
+    print(f"megatrace trace: tracing into {job_dir}{fallen_back}", file=sys.stderr, flush=True)
     return None
 
 

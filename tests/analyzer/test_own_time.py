@@ -132,15 +132,16 @@ def test_a_real_healthy_single_pipeline_reads_healthy(tmp_path, analyze_json):
 
 
 def test_every_rank_of_a_job_with_one_pipeline_can_be_judged_against_its_own_steps(tmp_path):
-    """TP 2 × PP 2, one replica: a tensor rank slower from step 2 is late at its TP all-reduces by a
+    """TP 2 × PP 2, one replica: a tensor rank slower from step 4 is late at its TP all-reduces by a
     sliver of their interval (at 10 % in the corpus, too little to name it there), so where comparing
     finds nobody every rank of such a job is judged against its own steps, and the slow one is named;
-    a layout with data-parallel replicas (DP 2) has peers for that. (50 % here: the test must hold on a
-    loaded machine.)"""
-    fault = ["--fault=slow-compute", "--fault-rank=3", "--fault-step=2", "--factor=0.5"]
+    a layout with data-parallel replicas (DP 2) has peers for that. (50 % here, and four steps before
+    the slowdown: the test must hold on a loaded machine, where the first steps of every rank run long
+    by different amounts, and two of them are too few to tell a rank's own pace from the others'.)"""
+    fault = ["--fault=slow-compute", "--fault-rank=3", "--fault-step=4", "--factor=0.5"]
     folder = tmp_path / "tp2pp2"
     folder.mkdir()
-    job = ["--world=4", "--tp=2", "--pp=2", "--steps=9", "--compute=timed", *fault]
+    job = ["--world=4", "--tp=2", "--pp=2", "--steps=12", "--compute=timed", *fault]
     assert run_traced(folder, "tp2pp2", job) == 0, (folder / "job.log").read_text()[-2000:]
     table, _ = load([folder / "trace" / "tp2pp2"])
     everyone = set(range(4))

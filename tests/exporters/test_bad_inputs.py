@@ -20,11 +20,19 @@ import requests
 from megatrace.exporters.cli import build_registry
 from megatrace.exporters.gpu import GpuCollector
 from megatrace.exporters.guard import GuardedCollectors
-from megatrace.exporters.infiniband import InfinibandCollector, parse_counter
+from megatrace.exporters.infiniband import InfinibandCollector
 from megatrace.exporters.server import MetricsServer
 from megatrace.exporters.tracer_files import TracerCollector
 from megatrace.tracer.recorder import Recorder
-from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
+from megatrace.tracer.ringfile import (
+    OP_CODES,
+    W_STEP_COUNT,
+    W_WAIT_NS_TOTAL,
+    RankIdentity,
+    RingWriter,
+    comm_id,
+    ring_path,
+)
 from tests.exporters.exposition import render, samples, value
 from tests.support.fake_pynvml import FakeGpu, FakeNvml
 
@@ -92,8 +100,13 @@ def test_fifos_in_the_trace_dir_and_the_sysfs_tree_never_hang_a_scrape(
         guarded.close()
 
 
-def test_a_counter_no_float_holds_fails_its_collector_not_the_scrape(
-    serve, sysfs: Path, tmp_path: Path
+def found(text: str, metric: str, /, **labels: str) -> list[float]:
+    """Values of the samples `metric` whose labels include `labels` (none when it was left out)."""
+    return [v for (n, ls), v in samples(text).items() if n == metric and set(labels.items()) <= set(ls)]
+
+
+def test_a_counter_no_float_holds_costs_only_its_own_series(
+    serve, sysfs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     (sysfs / PORT_DIR / "counters" / "symbol_error").write_text("9" * 400 + "\n")
     trace_dir = tmp_path / "trace"
@@ -101,25 +114,52 @@ def test_a_counter_no_float_holds_fails_its_collector_not_the_scrape(
     url = serve(
         GuardedCollectors({"infiniband": InfinibandCollector(sysfs), "tracer": TracerCollector(trace_dir)})
     )
+    caplog.set_level(logging.DEBUG, logger="megatrace")
     try:
-        response = requests.get(f"{url}/metrics", timeout=20)
-        assert response.status_code == 200
-        text = response.text
-        assert value(text, "megatrace_exporter_collector_up", collector="infiniband") == 0
-        assert value(text, "megatrace_exporter_collector_up", collector="tracer") == 1
-        assert value(text, "megatrace_tracer_rank_alive", job="pretrain-42", rank="0") == 1
+        for _ in range(2):
+            response = requests.get(f"{url}/metrics", timeout=20)
+            assert response.status_code == 200
+            text = response.text
+            assert value(text, "megatrace_exporter_collector_up", collector="infiniband") == 1
+            assert value(text, "megatrace_exporter_collector_up", collector="tracer") == 1
+            assert value(text, "megatrace_tracer_rank_alive", job="pretrain-42", rank="0") == 1
+            assert found(text, SYMBOL_ERRORS, device="mlx5_0", port="1") == []  # only it is left out
+            assert len(found(text, "megatrace_infiniband_link_downed_total", device="mlx5_0", port="1")) == 1
+            assert value(text, "megatrace_infiniband_state_id", device="mlx5_0", port="1") == 4
         openmetrics = requests.get(
             f"{url}/metrics", headers={"Accept": "application/openmetrics-text"}, timeout=20
         )
         assert openmetrics.status_code == 200
+        assert 'symbol_error_total{device="mlx5_0",port="1"}' not in openmetrics.text
+        assert 'symbol_error_total{device="mlx4_0",port="1"}' in openmetrics.text
     finally:
         writer.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and SYMBOL_ERRORS in said[0] and "cannot be exported" in said[0], said
 
 
-def test_negative_counters_are_exported_as_they_are(sysfs: Path) -> None:
-    (sysfs / PORT_DIR / "counters" / "symbol_error").write_text("-5\n")
-    assert parse_counter(b"-5\n") == -5
-    assert value(render(InfinibandCollector(sysfs)), SYMBOL_ERRORS, device="mlx5_0", port="1") == -5
+def test_a_negative_counter_is_left_out_not_exported(sysfs: Path, tmp_path: Path) -> None:
+    (sysfs / PORT_DIR / "counters" / "symbol_error").write_text("-7\n")
+    trace_dir = tmp_path / "trace"
+    writer = live_rank(trace_dir, "pretrain-42", 0)
+    writer.header[W_WAIT_NS_TOTAL] = -7
+    writer.header[W_STEP_COUNT] = -7
+    guarded = GuardedCollectors(
+        {"infiniband": InfinibandCollector(sysfs), "tracer": TracerCollector(trace_dir)}
+    )
+    try:
+        text = render(guarded)
+    finally:
+        writer.close()
+    negative = [key for key, number in samples(text).items() if key[0].endswith("_total") and number < 0]
+    assert negative == []
+    assert found(text, SYMBOL_ERRORS, device="mlx5_0", port="1") == []
+    assert found(text, "megatrace_tracer_steps_total", job="pretrain-42", rank="0") == []
+    assert found(text, "megatrace_tracer_collective_wait_seconds_total", job="pretrain-42") == []
+    calls = found(text, "megatrace_tracer_collective_calls_total", job="pretrain-42", op="all_reduce")
+    assert calls == [1]
+    assert value(text, "megatrace_exporter_collector_up", collector="infiniband") == 1
+    assert value(text, "megatrace_exporter_collector_up", collector="tracer") == 1
 
 
 @pytest.mark.parametrize("make_root", ["missing", "a file"])
@@ -140,7 +180,10 @@ def test_a_sysfs_root_that_cannot_be_read_is_down_with_one_log_line(
     assert str(root) in loud[0].getMessage() or str(root) in str(loud[0].exc_info[1])
 
 
-def test_gpu_collector_without_nvml_says_so_once_then_exports_down(caplog: pytest.LogCaptureFixture) -> None:
+def test_gpu_collector_without_nvml_says_so_in_one_warning_line_then_exports_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CPU node is normal, not an error: one warning line (no traceback), collector_up 0."""
     nvml = FakeNvml([FakeGpu(uuid="GPU-0", bus_id="00000000:18:00.0")])
     nvml.init_error = pynvml.NVML_ERROR_LIBRARY_NOT_FOUND
     collector = GpuCollector(nvml, xid_wait_ms=20)
@@ -151,8 +194,8 @@ def test_gpu_collector_without_nvml_says_so_once_then_exports_down(caplog: pytes
         for _ in range(3):
             assert value(render(guarded), "megatrace_exporter_collector_up", collector="gpu") == 0
         loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len([r for r in loud if r.exc_info]) == 1
-        assert len(loud) <= 2
+        assert [(r.levelname, r.exc_info) for r in loud] == [("WARNING", None)], caplog.text
+        assert "NVML not available" in loud[0].getMessage() and "\n" not in loud[0].getMessage()
         nvml.init_error = None
         assert value(render(guarded), "megatrace_exporter_collector_up", collector="gpu") == 1
         assert any("recovered" in r.getMessage() for r in caplog.records)

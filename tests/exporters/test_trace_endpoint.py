@@ -319,3 +319,48 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "last=--5",
+        "last=%C2%B2",  # '²': a digit to str.isdigit, not to int()
+        "last=-",
+        "last=1_000",
+        "since_ns=9223372036854775808",
+        "&".join(f"last={n}" for n in range(9)),  # more fields than parse_qsl is allowed to read
+        "last=1&last=2&last=3&last=4&last=5&last=6&last=7&last=8&last=9&last=10",
+    ],
+)
+def test_a_malformed_query_is_a_400_not_a_500(endpoint: TraceEndpoint, query: str) -> None:
+    for path in ("/v1/jobs/llm-7/ranks/0/ring", "/v1/jobs/llm-7/dumps/rank-1.4242.0.dump"):
+        status, body, headers = get(endpoint, f"{path}?{query}")
+        assert status == 400, body
+        assert headers["content-type"] == "application/json"
+        assert json.loads(body)["error"]
+
+
+def test_no_answer_names_a_path_on_the_server(tmp_path: Path) -> None:
+    root = tmp_path / "traces"
+    S.write_ring_files(S.simulate(S.Scenario(world=2, tp=2, steps=4)), root / "job-a", job="job-a")
+    ring = root / "job-a" / "rank-0.trace"
+    os.truncate(ring, ring.stat().st_size // 2)  # a sound header over records cut short
+    (root / "job-a" / "rank-1.trace").write_bytes(b"not a ring file at all" * 300)
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    served = TraceEndpoint(root, ("127.0.0.1", 0), token, 100, 1 << 20, 2)
+    try:
+        for path in (
+            "/v1/jobs/job-a/ranks/0/ring",
+            "/v1/jobs/job-a/ranks/1/ring",
+            "/v1/jobs/job-a/ranks/0",
+            "/v1/jobs/job-a",
+            "/v1/jobs/job-b",
+            "/v1/jobs/job-a/dumps/rank-0.1.1.dump",
+        ):
+            status, body, _ = get(served, path)
+            assert status in (200, 404), (path, status, body)
+            assert str(tmp_path).encode() not in body and b"/traces" not in body, (path, body)
+    finally:
+        served.close()

@@ -269,3 +269,20 @@ def test_real_gloo_job_live_then_finished(tmp_path: Path) -> None:
         assert value(text, "megatrace_tracer_stall_threshold_seconds", **labels) == 1.5  # the job's STALL_MS
     result = promtool_check(text)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_ring_file_cannot_claim_another_jobs_labels(tmp_path: Path) -> None:
+    """The job and rank come from where the file is, not from what it says: a file in folder
+    "intruder" that says it is rank 3 of "victim-job" is exported as what its place makes it."""
+    victim = start_rank(tmp_path, "victim-job", 3, os.getpid())
+    identity = RankIdentity("victim-job", 3, 3, 16, "gpu-node-07", os.getpid(), time.time_ns())
+    forged = RingWriter(ring_path(tmp_path / "intruder", 0), identity, capacity=64, comm_table_bytes=4096)
+    try:
+        text = render(TracerCollector(tmp_path))
+        assert value(text, "megatrace_tracer_rank_alive", job="victim-job", rank="3") == 1
+        assert value(text, "megatrace_tracer_rank_alive", job="intruder", rank="0") == 1
+        jobs = {dict(labels)["job"] for (_, labels) in samples(text)}
+        assert jobs == {"victim-job", "intruder"}
+    finally:
+        forged.close()
+        victim.writer.close()

@@ -107,6 +107,23 @@ class CallbackSender:
         return self.post(card_action_event(self.token, operator, value, message_id, form_value), **kwargs)
 
 
+def data_frame(payload: bytes, method: int = 1, **headers: str | None) -> Frame:
+    """A frame as Feishu sends an event: headers ``type`` event, ``message_id``, ``trace_id``, ``sum``
+    1, ``seq`` 0, each replaced by `headers` (None leaves one out)."""
+    frame = Frame(SeqID=1, LogID=0, service=7, method=method, payload=payload)
+    fields = {
+        "type": "event",
+        "message_id": "msg-0",
+        "trace_id": secrets.token_hex(8),
+        "sum": "1",
+        "seq": "0",
+    }
+    for key, value in (fields | headers).items():
+        if value is not None:
+            frame.headers.add(key=key, value=value)
+    return frame
+
+
 class LongConnectionServer:
     """The websocket end of Feishu's long connection, on a loopback port."""
 
@@ -116,6 +133,7 @@ class LongConnectionServer:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.connected = threading.Event()
+        self.connections = 0  # accepted since the start: a client that reconnects adds one
         self.pings = 0
         self._server = serve(self._serve, "127.0.0.1", 0)
         self.port = self._server.socket.getsockname()[1]
@@ -130,6 +148,7 @@ class LongConnectionServer:
     def _serve(self, conn: ServerConnection) -> None:
         with self._lock:
             self._clients.append(conn)
+            self.connections += 1
         self.connected.set()
         for message in conn:
             frame = Frame()
@@ -155,19 +174,21 @@ class LongConnectionServer:
             conn = self._clients[-1]
         message_id = f"msg-{next(self._ids)}"
         self._answers[message_id] = queue.Queue()
-        frame = Frame(
-            SeqID=next(self._ids), LogID=0, service=7, method=1, payload=json.dumps(callback).encode()
-        )
-        for key, value in (
-            ("type", "event"),
-            ("message_id", message_id),
-            ("trace_id", secrets.token_hex(8)),
-            ("sum", "1"),
-            ("seq", "0"),
-        ):
-            frame.headers.add(key=key, value=value)
-        conn.send(frame.SerializeToString())
+        conn.send(data_frame(json.dumps(callback).encode(), message_id=message_id).SerializeToString())
         return self._answers[message_id].get(timeout=timeout)
+
+    def send_raw(self, message: bytes | str) -> None:
+        """Send `message` as it is down the newest connection: what a hostile or broken peer sends."""
+        self.connected.wait(10)
+        with self._lock:
+            conn = self._clients[-1]
+        conn.send(message)
+
+    def drop_newest(self) -> None:
+        """Close the newest connection from this end (Feishu restarting, a network cut)."""
+        with self._lock:
+            conn = self._clients[-1]
+        conn.close()
 
     def stop(self) -> None:
         self._server.shutdown()

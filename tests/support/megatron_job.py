@@ -506,7 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for label.json, hang marks and Flight Recorder dumps")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
     p.add_argument("--stall-wait", type=float, default=4.0, help="seconds stuck before dumps are taken")
-    p.add_argument("--deadline", type=float, default=180.0)
+    p.add_argument(
+        "--deadline", type=float, default=270.0, help="seconds before the job is stopped (exit 124)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -103,6 +103,21 @@ def test_a_file_where_the_job_folder_should_be_falls_back_to_the_temp_dir(tmp_pa
         "rank-0.trace",
         "rank-1.trace",
     ]
+    warnings = [line for line in output.splitlines() if "megatrace tracer: WARNING" in line]
+    assert len(warnings) == 2, output  # one line per rank, naming the folder it uses and why
+    for line in warnings:
+        assert f"{trace_dir}/{job} cannot be used (something other than a folder is in its place)" in line
+        assert f"tracing into {fallback / 'megatrace' / job} instead" in line
+
+
+def test_a_read_only_trace_dir_says_why_it_is_passed_over(tmpfs, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatrace.tracer.settings import job_trace_dir
+
+    read_only = tmpfs("ro", read_only=True)
+    writable = tmpfs("rw")
+    monkeypatch.setattr(tempfile, "tempdir", str(writable))
+    assert job_trace_dir(str(read_only), "j") == (writable / "megatrace" / "j", "Read-only file system")
+    assert job_trace_dir(str(writable), "k") == (writable / "k", "")
 
 
 def test_read_only_trace_dir_and_fallback_leave_the_process_untraced(
