@@ -95,6 +95,7 @@ def test_a_hostile_websocket_peer_stops_neither_the_bot_nor_its_callbacks(
             == 200
         )
         feishu.wait_for(lambda: len(feishu.messages()) >= 1)
+        card = feishu.messages()[0].message_id  # an action names the card it came from
         assert ws.connected.wait(30), feishu.summary()
         for message in hostile_frames():
             ws.send_raw(message)
@@ -104,7 +105,7 @@ def test_a_hostile_websocket_peer_stops_neither_the_bot_nor_its_callbacks(
             time.sleep(0.1)
         log = (tmp_path / "bot.log").read_text(errors="replace")
         assert ws.connections >= 2, f"the client did not reconnect:\n{log[-12000:]}"
-        answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"), timeout=30)
+        answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, card), timeout=30)
         assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}
         assert bot.poll() is None
         assert requests.get(f"{base}/healthz", timeout=10).status_code == 200
