@@ -132,7 +132,7 @@ def render_text(report: dict) -> str:
     if verdict == "healthy":
         head = f"HEALTHY: no hung or slow rank found in {report['ranks_with_logs']} rank log(s)."
     elif verdict == "no-data":
-        head = "NO DATA: no readable trace file was found; nothing was judged."
+        head = f"NO DATA: {report['notes'][-1] if report['notes'] else 'no readable trace file'}."
     elif verdict == "inconclusive":
         head = f"INCONCLUSIVE: {report['notes'][-1]}."
     elif report.get("tie"):
