@@ -2,7 +2,8 @@
 
 `PostgresServer` runs ``initdb`` into a fresh temporary directory and starts ``postgres`` there. The
 server refuses to run as root, so under root both run as the package's ``postgres`` system user,
-which owns the directory. Durability settings are off: tests kill the bot, never the database.
+which owns the directory. Durability settings are off: a `crash` loses nothing the tests rely on (the
+server recovers from its own WAL; only what the OS had not written would be lost).
 """
 
 from __future__ import annotations
@@ -61,7 +62,12 @@ class PostgresServer:
             cwd=self.dir,
             **self._run_as(),
         )
-        log = open(self.dir / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        return self.launch()
+
+    def launch(self) -> PostgresServer:
+        """Start the server on the existing data directory (again, after `crash`)."""
+        data = self.dir / "data"
+        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed in stop() or crash()
         self._log = log
         self.proc = subprocess.Popen(
             [
@@ -90,6 +96,14 @@ class PostgresServer:
         )
         self._wait_ready()
         return self
+
+    def crash(self) -> None:
+        """Take the server down at once, as a crash would: "immediate" shutdown (SIGQUIT), every
+        connection dropped, nothing flushed; `launch` brings it back on the same data."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            self.proc.wait(timeout=30)
+            self._log.close()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
