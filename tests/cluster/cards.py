@@ -24,12 +24,13 @@ def timed_cards(feishu: FeishuServer, chat: str) -> list[tuple[float, str]]:
 def wait_for_card(
     feishu: FeishuServer, chat: str, says: Callable[[str], bool], since: float, timeout: float = 120.0
 ) -> tuple[str, float]:
-    """The first card (or update) of `chat` whose text satisfies `says`, and the seconds from `since`
-    (a time.time()) until the stand-in received it; TimeoutError listing what came instead."""
+    """The first card (or update) of `chat` received after `since` (a time.time()) whose text satisfies
+    `says`, and the seconds from `since` until the stand-in received it; TimeoutError listing what came
+    instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for received, text in timed_cards(feishu, chat):
-            if says(text):
+            if received >= since and says(text):
                 return text, received - since
         time.sleep(0.2)
     cards = [text for _, text in timed_cards(feishu, chat)]

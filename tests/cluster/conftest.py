@@ -5,6 +5,7 @@ and the Alertmanager pair. Needs root (network namespaces), as the tests and CI 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.control import ControlPlane, Program
+from tests.cluster.control import BOT_PORTS, ControlPlane, Program
 from tests.cluster.network import ClusterNetwork, Node
 from tests.cluster.nodes import Job, Nodes
 from tests.support.helm_chart import render
@@ -22,6 +23,7 @@ from tests.support.helm_chart import render
 NODES = 4
 RANKS_PER_NODE = 2
 HUNG_RANK = 5  # on node 3
+DRILLDOWN_DEADLINE_S = 60  # the bot's drilldown.timeout_s
 # The chart as installed, scraping every second so that the tests need not wait 15 s per sample.
 CHART_VALUES = {"exporter": {"serviceMonitor": {"interval": "1s", "scrapeTimeout": "1s"}}}
 
@@ -37,11 +39,15 @@ class Cluster:
         return self.network.node(index)
 
 
-def build_cluster(root: Path, values: dict[str, Any] | None = None) -> Iterator[Cluster]:
+def require_root() -> None:
     if os.geteuid() != 0:
-        pytest.fail(
-            "the cluster harness makes network namespaces: run the tests as root (make test does in CI)"
-        )
+        pytest.fail("the cluster harness makes network namespaces: run the tests as root (CI does)")
+
+
+@contextlib.contextmanager
+def build_cluster(root: Path, values: dict[str, Any] | None = None) -> Iterator[Cluster]:
+    """Nodes with their agents running, and the control plane (Feishu stand-in only, so far)."""
+    require_root()
     objects = render(values or CHART_VALUES)
     network = ClusterNetwork(NODES)
     nodes = Nodes(network, objects, root)
@@ -60,7 +66,8 @@ def build_cluster(root: Path, values: dict[str, Any] | None = None) -> Iterator[
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    yield from build_cluster(tmp_path_factory.mktemp("cluster"))
+    with build_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
+        yield cluster
 
 
 def wait_for_series(cluster: Cluster, promql: str, count: int, timeout: float = 60.0) -> list[dict[str, Any]]:
@@ -91,8 +98,8 @@ def drilldown_settings(cluster: Cluster, **agents: Any) -> dict[str, Any]:
     return {
         "source": "agents",
         "prometheus_url": cluster.control.url(9090),
-        "verdict_wait_s": 90,
-        "timeout_s": 90,
+        "verdict_wait_s": DRILLDOWN_DEADLINE_S + 30,
+        "timeout_s": DRILLDOWN_DEADLINE_S,
         "agents": {
             "port": cluster.nodes.trace_port,
             "token_file": str(cluster.nodes.token_file),
@@ -108,3 +115,40 @@ def start_drilldown_bot(cluster: Cluster, name: str, **agents: Any) -> Program:
     store = {"path": str(cluster.nodes.root / f"{name}.db")}
     config = cluster.control.bot_config(0, store, drilldown_settings(cluster, **agents))
     return cluster.control.bot_program(0, config)
+
+
+@dataclasses.dataclass
+class AlertPath:
+    """The HA alert path: two Alertmanagers gossiping, two bot replicas on one PostgreSQL."""
+
+    control: ControlPlane
+    alertmanagers: list[Program]
+    bots: list[Program]
+
+
+def start_alert_path(control: ControlPlane, drilldown: dict[str, Any] | None = None) -> AlertPath:
+    """PostgreSQL, then both bot replicas on it, then the Alertmanager pair routing to both."""
+    database = control.start_postgres()
+    bots = [
+        control.bot_program(i, control.bot_config(i, {"url": database, "lease_s": 7}, drilldown))
+        for i in range(2)
+    ]
+    config = control.alertmanager_config(tuple(BOT_PORTS))
+    alertmanagers = [control.alertmanager_program(i, config) for i in range(2)]
+    return AlertPath(control, alertmanagers, bots)
+
+
+@pytest.fixture(scope="module")
+def alert_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AlertPath]:
+    """The alert path alone, in a control namespace with no nodes (its faults need none)."""
+    root = tmp_path_factory.mktemp("alert-path")
+    require_root()
+    network = ClusterNetwork(0)
+    control: ControlPlane | None = None
+    try:
+        control = ControlPlane(network.control, render(CHART_VALUES), root)
+        yield start_alert_path(control)
+    finally:
+        if control is not None:
+            control.close()
+        network.close()

@@ -1,0 +1,90 @@
+"""Alert bursts through the Alertmanager pair, as Prometheus sends them (every alert to every
+Alertmanager), and the count of what reached Feishu: each alert's card once, none lost, none doubled."""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import time
+
+import requests
+
+from megatrace.demo import card_text
+from tests.cluster.conftest import AlertPath
+from tests.cluster.control import ALERTMANAGER_PORTS
+
+CHAT = "oc_p2"
+
+
+class Burst:
+    """`total` P2 alerts named by `tag`, posted in batches to both Alertmanagers from a thread."""
+
+    def __init__(self, path: AlertPath, tag: str, total: int, batch: int = 50, pause_s: float = 0.5) -> None:
+        self.path, self.tag, self.total, self.batch, self.pause_s = path, tag, total, batch, pause_s
+        self.refused = 0  # posts an Alertmanager did not take (it was down)
+        self.posted = 0
+        self._thread = threading.Thread(target=self._post_all, name=f"burst-{tag}", daemon=True)
+        self._pattern = re.compile(rf"\b{re.escape(tag)} alert (\d+)\b")
+
+    def alerts(self, first: int, count: int) -> list[dict]:
+        return [
+            {
+                "labels": {
+                    "alertname": "MegatraceClusterBurst",
+                    "severity": "P2",
+                    "burst": self.tag,
+                    "rank": str(r),
+                },
+                "annotations": {"summary": f"{self.tag} alert {r}"},
+            }
+            for r in range(first, min(first + count, self.total))
+        ]
+
+    def _post_all(self) -> None:
+        for first in range(0, self.total, self.batch):
+            batch = self.alerts(first, self.batch)
+            for port in ALERTMANAGER_PORTS:
+                try:
+                    self.path.control.post(
+                        f"http://127.0.0.1:{port}/api/v2/alerts", json=batch
+                    ).raise_for_status()
+                except requests.RequestException:
+                    self.refused += 1
+            self.posted = first + len(batch)
+            time.sleep(self.pause_s)
+
+    def start(self) -> Burst:
+        self._thread.start()
+        return self
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def delivered(self) -> collections.Counter[int]:
+        """How many cards each alert of the burst got at Feishu (first sends, not updates)."""
+        counts: collections.Counter[int] = collections.Counter()
+        for record in self.path.control.feishu.messages(CHAT):
+            match = self._pattern.search(card_text({"card": record.body["content"]}))
+            if match:
+                counts[int(match.group(1))] += 1
+        return counts
+
+    def wait_until(self, count: int, timeout: float) -> float:
+        """Wait until `count` distinct alerts were delivered; the time.time() when that was seen."""
+        deadline = time.monotonic() + timeout
+        while len(self.delivered()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.tag}: {len(self.delivered())} of {count} alerts delivered in {timeout}s"
+                )
+            time.sleep(0.25)
+        return time.time()
+
+    def figures(self) -> dict[str, int]:
+        counts = self.delivered()
+        return {
+            "delivered": len(counts),
+            "expected": self.total,
+            "duplicates": sum(n - 1 for n in counts.values()),
+        }
