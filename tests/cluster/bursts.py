@@ -20,7 +20,7 @@ CHAT = "oc_p2"
 class Burst:
     """`total` P2 alerts named by `tag`, posted in batches to both Alertmanagers from a thread."""
 
-    def __init__(self, path: AlertPath, tag: str, total: int, batch: int = 50, pause_s: float = 0.5) -> None:
+    def __init__(self, path: AlertPath, tag: str, total: int, batch: int = 50, pause_s: float = 1.0) -> None:
         self.path, self.tag, self.total, self.batch, self.pause_s = path, tag, total, batch, pause_s
         self.refused = 0  # posts an Alertmanager did not take (it was down)
         self.posted = 0
@@ -69,6 +69,14 @@ class Burst:
             if match:
                 counts[int(match.group(1))] += 1
         return counts
+
+    def wait_posted(self, count: int, timeout: float = 60.0) -> None:
+        """Wait until the first `count` alerts were posted (the burst goes on)."""
+        deadline = time.monotonic() + timeout
+        while self.posted < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.tag}: only {self.posted} of {count} alerts posted in {timeout}s")
+            time.sleep(0.05)
 
     def wait_until(self, count: int, timeout: float) -> float:
         """Wait until `count` distinct alerts were delivered; the time.time() when that was seen."""

@@ -1,5 +1,6 @@
 """Fixtures of the cluster in a box. Each test module starts only what its faults need: `cluster` is
-the nodes with their agents and an empty control plane; `hung_job` adds a real job with a hung rank
+the nodes with their agents and an empty control plane, shared by the modules of xdist group
+"hung-job"; `hung_job` adds a real job with a hung rank
 and Prometheus scraping the agents as the chart says; `alert_path` adds PostgreSQL, two bot replicas
 and the Alertmanager pair. Needs root (network namespaces), as the tests and CI run."""
 
@@ -64,7 +65,7 @@ def build_cluster(root: Path, values: dict[str, Any] | None = None) -> Iterator[
         network.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with build_cluster(tmp_path_factory.mktemp("cluster")) as cluster:
         yield cluster
@@ -82,7 +83,7 @@ def wait_for_series(cluster: Cluster, promql: str, count: int, timeout: float = 
         time.sleep(0.5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hung_job(cluster: Cluster) -> Job:
     """A job of 8 ranks (2 per node) whose rank 5 (node 3) hangs at step 3; every rank has dumped its
     stall, and Prometheus (the chart's scrape job) has seen every rank."""

@@ -171,7 +171,7 @@ class ControlPlane:
                 "receiver": receiver["name"],
                 "group_by": route["groupBy"],
                 "group_wait": "1s",
-                "group_interval": "2s",
+                "group_interval": "5s",
                 "repeat_interval": route["repeatInterval"],
             },
             "receivers": [

@@ -12,13 +12,14 @@ from tests.cluster.bursts import Burst
 from tests.cluster.conftest import AlertPath
 from tests.cluster.faults import program_killed
 
+pytestmark = pytest.mark.xdist_group("alertmanager-pair")
 ALERTS = 1000
 
 
 @pytest.mark.slow
 def test_kill_9_of_one_alertmanager_during_a_burst(alert_path: AlertPath) -> None:
     burst = Burst(alert_path, "am-kill", ALERTS, batch=100).start()
-    burst.wait_until(ALERTS // 4, timeout=120)
+    burst.wait_posted(ALERTS * 3 // 10)
     with program_killed(alert_path.alertmanagers[0]):
         killed = time.time()
         burst.join()

@@ -19,7 +19,7 @@ from tests.cluster.control import BOT_PORTS
 from tests.cluster.network import namespace_inode, netns_inode
 from tests.cluster.nodes import Job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hung-job")]
 
 
 def children(pid: int) -> list[int]:

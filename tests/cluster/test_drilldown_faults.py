@@ -23,7 +23,7 @@ from tests.cluster.faults import agent_killed, partitioned_from_control, program
 from tests.cluster.network import Node
 from tests.cluster.nodes import Job
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hung-job")]
 
 
 def culprit_card(cluster: Cluster, job: Job) -> tuple[str, float]:

@@ -23,7 +23,7 @@ from tests.cluster.conftest import (
 )
 from tests.cluster.faults import node_lost
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("node-lost")]
 
 RULES_FACTOR = 12  # MegatraceJobHang's `for: 2m` becomes 10s
 LOST = 3

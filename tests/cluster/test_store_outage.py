@@ -15,6 +15,7 @@ from tests.cluster.conftest import AlertPath
 from tests.cluster.control import BOT_PORTS
 from tests.cluster.faults import postgres_down
 
+pytestmark = pytest.mark.xdist_group("store-outage")
 ALERTS = 500
 
 
@@ -35,7 +36,7 @@ def probe(path: AlertPath) -> dict[str, list[int]]:
 
 def outage(path: AlertPath, tag: str, down_s: float) -> None:
     burst = Burst(path, tag, ALERTS).start()
-    burst.wait_until(ALERTS // 5, timeout=120)  # mid-burst
+    burst.wait_posted(ALERTS // 5)  # mid-burst
     with postgres_down(path.control):
         went_down = time.monotonic()
         during = probe(path)
