@@ -330,11 +330,12 @@ def test_exporter_targets_carry_the_address_the_bot_dials(relabelings: list[dict
         "targetLabel": "agent_address",
         "action": "replace",
     }
-    assert endpoint["relabelings"][1:] == (
-        [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "instance", "action": "replace"}]
-        if relabelings is None
-        else relabelings
-    )
+    node_name = {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "instance",
+        "action": "replace",
+    }
+    assert endpoint["relabelings"][1:] == ([node_name] if relabelings is None else relabelings)
 
 
 def scrape_jobs(objects: list[dict[str, Any]]) -> dict[str, str]:
