@@ -19,6 +19,7 @@ from megatrace.alertbot.alertmanager import (
     create_silence,
     exclusive_matchers,
     expire_silence,
+    list_silences,
 )
 from megatrace.alertbot.cards import CardRenderer
 from megatrace.alertbot.config import AlertbotConfig, Person
@@ -29,6 +30,11 @@ from megatrace.alertbot.store import Store
 log = logging.getLogger(__name__)
 SILENCES = {"1h": 3600, "4h": 4 * 3600, "24h": 86400}
 CALLBACK_AM_TIMEOUT_S = 2.0  # Feishu waits 3 s for the callback's answer
+# `silence_id` while one click creates the silence; other clicks meanwhile make none. It lapses
+# after the Alertmanager calls' timeouts, should the replica die in between.
+SILENCING = "(being created)"
+SILENCING_S = 4 * CALLBACK_AM_TIMEOUT_S
+LIVE = ("active", "pending")  # silence states that still mute
 
 
 class ActionRefused(Exception):
@@ -45,7 +51,7 @@ def oncall_context(store: Store, renderer: CardRenderer, episode: Any, now: floa
     status = []
     if episode["claimed_by"]:
         status.append(f"**Claimed** by {episode['claimed_by']} at {renderer.when(episode['claimed_at'])}")
-    silenced = episode["silence_id"] and (episode["silenced_until"] or 0) > now
+    silenced = episode["silence_id"] not in (None, SILENCING) and (episode["silenced_until"] or 0) > now
     if silenced:
         status.append(f"**Silenced** until {renderer.when(episode['silenced_until'])}")
     buttons = []
@@ -92,6 +98,9 @@ class Actions:
             episode = self.store.episode(int(value.get("episode", 0)))
             if episode is None:
                 raise ActionRefused("this alert is no longer known")
+            card = str((event.get("context") or {}).get("open_message_id") or "")
+            if not self.on_its_card(episode, card):
+                raise ActionRefused(f"message {card[:64]!r} is not a card of this alert")
             handler = HANDLERS.get(str(value.get("action")))
             if handler is None:
                 raise ActionRefused(f"unknown action {value.get('action')!r}")
@@ -101,6 +110,16 @@ class Actions:
             return toast("error", str(exc))
         self.record(person, str(value["action"]), episode, done, source, now)
         return toast("success", done)
+
+    def on_its_card(self, episode: Any, message_id: str) -> bool:
+        """Whether message `message_id` is a card the bot sent for `episode` or for its incident."""
+        shown = self.store.card_episodes(message_id) if message_id else []
+        if episode["id"] in shown:
+            return True
+        incident = episode["incident_id"]
+        return incident is not None and any(
+            (other := self.store.episode(e)) is not None and other["incident_id"] == incident for e in shown
+        )
 
     def record(self, person: Person, action: str, episode: Any, detail: str, source: str, now: float) -> None:
         """Audit the action, archive it as a sheet row, and queue the card update."""
@@ -136,36 +155,56 @@ class Actions:
         return "claimed"
 
     def silence(self, person: Person, episode: Any, value: dict, action: dict, now: float) -> str:
+        """One silence per alert however many clicks: the click that marks the alert as being
+        silenced creates it; the others are told it is silenced (or being silenced) already."""
         seconds = SILENCES.get(str(value.get("duration")))
         if seconds is None:
             raise ActionRefused(f"silence duration must be one of {', '.join(SILENCES)}")
+        if not self.store.begin_silence(episode["id"], SILENCING, now, now + SILENCING_S):
+            current = self.store.episode(episode["id"])
+            if current is not None and current["silence_id"] == SILENCING:
+                raise ActionRefused("a silence of this alert is being created")
+            raise ActionRefused(f"already silenced (silence {current['silence_id'] if current else '?'})")
         labels = json.loads(episode["labels"])
         am = dataclasses.replace(self.cfg.alertmanager, timeout_s=CALLBACK_AM_TIMEOUT_S)
-        comment = f"from the Feishu card of alert {episode['id']} ({episode['alertname']})"
         try:
             absent = exclusive_matchers(am, labels)
-            silence_id = create_silence(am, labels, now, now + seconds, person.name, comment, absent)
+            silence_id = create_silence(am, labels, now, now + seconds, person.name, comment(episode), absent)
         except AlertmanagerError as exc:
+            self.store.update_episode(episode["id"], silence_id=None, silenced_until=now)
             raise ActionRefused(f"Alertmanager refused the silence: {exc}") from None
         self.store.update_episode(episode["id"], silence_id=silence_id, silenced_until=now + seconds)
         return f"silenced for {value['duration']} (silence {silence_id})"
 
     def unsilence(self, person: Person, episode: Any, value: dict, action: dict, now: float) -> str:
-        if not episode["silence_id"]:
-            raise ActionRefused("this alert is not silenced")
+        """Expire every silence the bot made for this alert (found by its comment), not only the
+        last one recorded: an older replica, or clicks before this rule, may have made several."""
         am = dataclasses.replace(self.cfg.alertmanager, timeout_s=CALLBACK_AM_TIMEOUT_S)
         try:
-            expire_silence(am, episode["silence_id"])
+            made = [
+                str(s["id"])
+                for s in list_silences(am)
+                if s.get("comment") == comment(episode) and (s.get("status") or {}).get("state") in LIVE
+            ]
+            if not made:
+                raise ActionRefused("this alert is not silenced")
+            for silence_id in made:
+                expire_silence(am, silence_id)
         except AlertmanagerError as exc:
             raise ActionRefused(f"Alertmanager refused to expire the silence: {exc}") from None
         self.store.update_episode(episode["id"], silenced_until=now)
-        return f"silence {episode['silence_id']} expired"
+        return f"silence {', '.join(made)} expired"
 
     def note(self, person: Person, episode: Any, value: dict, action: dict, now: float) -> str:
         text = str((action.get("form_value") or {}).get("note", "")).strip()
         if not text:
             raise ActionRefused("the note is empty")
         return f"note: {text[:500]}"
+
+
+def comment(episode: Any) -> str:
+    """The comment of the silences the bot makes for `episode`: how it finds them again."""
+    return f"from the Feishu card of alert {episode['id']} ({episode['alertname']})"
 
 
 HANDLERS: dict[str, Callable[..., str]] = {

@@ -172,6 +172,14 @@ def exclusive_matchers(cfg: AlertmanagerConfig, labels: dict[str, str]) -> list[
     return sorted(extra)
 
 
+def list_silences(cfg: AlertmanagerConfig) -> list[dict[str, Any]]:
+    """Every silence Alertmanager holds (``GET /api/v2/silences``), expired ones included."""
+    data = _call("GET", f"{cfg.url.rstrip('/')}/api/v2/silences", cfg.timeout_s)
+    if not isinstance(data, list):
+        raise AlertmanagerError("GET /api/v2/silences did not return a list")
+    return [s for s in data if isinstance(s, dict)]
+
+
 def expire_silence(cfg: AlertmanagerConfig, silence_id: str) -> None:
     """Expire a silence now (``DELETE /api/v2/silence/{id}``)."""
     url = f"{cfg.url.rstrip('/')}/api/v2/silence/{quote(silence_id, safe='')}"

@@ -15,10 +15,13 @@ Both end in `Actions.handle`, which also refuses replays (event ids) and people 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
 import hmac
 import json
 import logging
+import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,7 +40,16 @@ CARD_ACTION = "card.action.trigger"
 
 
 class CallbackRejected(Exception):
-    """A callback that is not from Feishu for this app, or is stale; nothing was done."""
+    """A callback that is not from Feishu for this app, is stale or is malformed; nothing was done.
+    `status` is the HTTP answer: 401 when it is not authenticated, 400 when it is but cannot be read."""
+
+    def __init__(self, reason: str, status: int = 401) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+SIGNATURE_HEADERS = ("X-Lark-Request-Timestamp", "X-Lark-Request-Nonce", "X-Lark-Signature")
+TIMESTAMP = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() also takes "²"
 
 
 def signature(timestamp: str, nonce: str, encrypt_key: str, body: bytes) -> str:
@@ -47,33 +59,61 @@ def signature(timestamp: str, nonce: str, encrypt_key: str, body: bytes) -> str:
 def verify_request(
     cfg: CallbackConfig, headers: Mapping[str, str], body: bytes, now: float
 ) -> dict[str, Any]:
-    """The decrypted callback of a request-URL POST, or CallbackRejected saying why."""
-    try:
-        envelope = json.loads(body)
-        encrypted = envelope["encrypt"]
-        plain = json.loads(AESCipher(cfg.encrypt_key).decrypt_str(encrypted))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CallbackRejected(f"not an encrypted callback for this app ({type(exc).__name__})") from None
-    if not isinstance(plain, dict):
-        raise CallbackRejected("decrypted callback is not an object")
-    if plain.get("type") == "url_verification":
-        token = plain.get("token")
-    else:
-        token = (plain.get("header") or {}).get("token")
+    """The decrypted callback of a request-URL POST, or CallbackRejected saying why.
+
+    Authentication comes first and reads only the headers and the raw bytes: a signed request's
+    signature and timestamp are checked before anything is decrypted or parsed. Only an unsigned
+    ``url_verification`` (Feishu sends the challenge without signature headers) is decrypted
+    without them, and it must still carry the verification token."""
+    signed = any(headers.get(name) for name in SIGNATURE_HEADERS)
+    if signed:
+        authenticate(cfg, headers, body, now)
+    plain = decrypt(cfg, body, status=400 if signed else 401)
+    kind = plain.get("type")
+    header = plain.get("header") if isinstance(plain.get("header"), dict) else {}
+    token = plain.get("token") if kind == "url_verification" else header.get("token")
     if not isinstance(token, str) or not hmac.compare_digest(token, cfg.verification_token):
         raise CallbackRejected("wrong verification token")
-    if plain.get("type") == "url_verification":
+    if kind == "url_verification":
         return plain
+    if not signed:
+        raise CallbackRejected("signature mismatch: unsigned callback")
+    if header.get("event_type") != CARD_ACTION:
+        raise CallbackRejected(f"unsupported callback type {header.get('event_type')!r}", status=400)
+    return plain
+
+
+def authenticate(cfg: CallbackConfig, headers: Mapping[str, str], body: bytes, now: float) -> None:
+    """Check the signature over the raw body and the timestamp's freshness, or CallbackRejected."""
     timestamp = headers.get("X-Lark-Request-Timestamp", "")
     nonce = headers.get("X-Lark-Request-Nonce", "")
     given = headers.get("X-Lark-Signature", "")
-    if not hmac.compare_digest(given, signature(timestamp, nonce, cfg.encrypt_key, body)):
+    expected = signature(timestamp, nonce, cfg.encrypt_key, bytes(body))
+    if not hmac.compare_digest(given.encode("utf-8", "replace"), expected.encode()):
         raise CallbackRejected("signature mismatch")
-    if not timestamp.isdigit() or abs(now - int(timestamp)) > cfg.max_skew_s:
-        raise CallbackRejected(f"timestamp {timestamp!r} more than {cfg.max_skew_s:g}s off")
-    if (plain.get("header") or {}).get("event_type") != CARD_ACTION:
-        raise CallbackRejected(f"unsupported callback type {(plain.get('header') or {}).get('event_type')!r}")
+    if not TIMESTAMP.fullmatch(timestamp) or abs(now - int(timestamp)) > cfg.max_skew_s:
+        raise CallbackRejected(f"timestamp {timestamp[:20]!r} more than {cfg.max_skew_s:g}s off")
+
+
+def decrypt(cfg: CallbackConfig, body: bytes, status: int) -> dict[str, Any]:
+    """The JSON object inside ``{"encrypt": …}``; any malformed body is CallbackRejected(`status`)."""
+    try:
+        envelope = json.loads(body)
+        plain = json.loads(AESCipher(cfg.encrypt_key).decrypt_str(envelope["encrypt"]))
+    except Exception as exc:  # bad JSON, nesting past the recursion limit, bad base64 or padding
+        raise CallbackRejected(
+            f"not an encrypted callback for this app ({type(exc).__name__})", status=status
+        ) from None
+    if not isinstance(plain, dict):
+        raise CallbackRejected("decrypted callback is not an object", status=status)
     return plain
+
+
+def warm_up(cfg: CallbackConfig) -> None:
+    """Set up the cipher once at start, so that the first real callback pays for no lazy set-up
+    (Feishu allows 1 s for ``url_verification``); a block of zeros decrypts to bad padding."""
+    with contextlib.suppress(Exception):
+        AESCipher(cfg.encrypt_key).decrypt_str(base64.b64encode(bytes(32)).decode())
 
 
 Handler = Callable[[dict[str, Any], str], dict[str, Any]]

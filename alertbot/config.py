@@ -150,6 +150,16 @@ class LinksConfig:
 
 
 @dataclasses.dataclass
+class AgentFallbackConfig:
+    """Where the drill-down finds the agents when Prometheus cannot tell: a static list of agents
+    (``HOST`` or ``HOST:PORT`` of their trace endpoints) and a DNS name whose every address is an agent
+    (a headless Service)."""
+
+    static: list[str] = field(default_factory=list)
+    dns_name: str = ""
+
+
+@dataclasses.dataclass
 class AgentsConfig:
     """How the drill-down reaches the node agents' trace endpoints (source "agents")."""
 
@@ -157,6 +167,10 @@ class AgentsConfig:
     scheme: str = "http"
     token_file: str = ""
     timeout_s: float = 10.0
+    # Longest a connection to an agent may take to open (an agent partitioned away drops the packets).
+    connect_timeout_s: float = 3.0
+    # Longest the whole gathering may take: what has not come by then is named as not collected.
+    deadline_s: float = 120.0
     retries: int = 2
     parallel: int = 32
     records_per_rank: int = 10000
@@ -164,6 +178,7 @@ class AgentsConfig:
     lookback_s: float = 900.0
     # Where fetched windows are written while the analyzer reads them ("": the system's temp folder).
     work_dir: str = ""
+    fallback: AgentFallbackConfig = field(default_factory=AgentFallbackConfig)
 
 
 DRILLDOWN_SOURCES = ("directory", "agents")
@@ -304,10 +319,7 @@ def drilldown_problems(drill: DrilldownConfig) -> list[str]:
     if not 0 <= drill.verdict_wait_s <= 300:
         problems.append("key 'drilldown.verdict_wait_s': must be between 0 and 300")
     if drill.source == "agents":
-        if not drill.prometheus_url:
-            problems.append(
-                "key 'drilldown.prometheus_url': source agents finds the agents through Prometheus"
-            )
+        problems += agent_discovery_problems(drill)
         if not drill.agents.token_file:
             problems.append("key 'drilldown.agents.token_file': the agents' trace endpoints need a token")
         if drill.agents.scheme not in ("http", "https"):
@@ -317,6 +329,36 @@ def drilldown_problems(drill: DrilldownConfig) -> list[str]:
                 problems.append(f"key 'drilldown.agents.{key}': must be at least 1")
         if drill.agents.retries < 0:
             problems.append("key 'drilldown.agents.retries': must not be negative")
+    return problems
+
+
+AGENT_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*)(:\d{1,5})?")
+DNS_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
+
+
+def agent_discovery_problems(drill: DrilldownConfig) -> list[str]:
+    """What is wrong with how source agents finds and reaches the agents (Prometheus, the fallback,
+    the timeouts)."""
+    agents, problems = drill.agents, []
+    fallback = agents.fallback
+    if not drill.prometheus_url and not (fallback.static or fallback.dns_name):
+        problems.append(
+            "key 'drilldown.prometheus_url': source agents finds the agents through Prometheus "
+            "(or set drilldown.agents.fallback.static or dns_name)"
+        )
+    for entry in fallback.static:
+        match = AGENT_ADDRESS.fullmatch(entry)
+        if match is None or (match.group(2) and not 0 < int(match.group(2)[1:]) <= 65535):
+            problems.append(
+                f"key 'drilldown.agents.fallback.static': {entry[:80]!r} is not HOST or HOST:PORT"
+            )
+    if fallback.dns_name and DNS_NAME.fullmatch(fallback.dns_name) is None:
+        problems.append(f"key 'drilldown.agents.fallback.dns_name': {fallback.dns_name[:80]!r} is not a name")
+    for key in ("timeout_s", "connect_timeout_s", "deadline_s"):
+        if not 0 < getattr(agents, key) <= 3600:
+            problems.append(f"key 'drilldown.agents.{key}': must be more than 0 and at most 3600")
+    if agents.deadline_s < agents.timeout_s:
+        problems.append("key 'drilldown.agents.deadline_s': must be at least drilldown.agents.timeout_s")
     return problems
 
 

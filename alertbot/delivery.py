@@ -30,7 +30,7 @@ from megatrace.alertbot.feishu import FeishuApp, SendResult
 from megatrace.alertbot.incident import load as load_incident
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import first_call
-from megatrace.alertbot.ratelimit import RateLimiter
+from megatrace.alertbot.ratelimit import Limiter, RateLimiter
 from megatrace.alertbot.store import OPEN_STATES, Store
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Delivery:
     metrics: BotMetrics
     app: FeishuApp | None
     console: ConsoleSink
-    limiter: RateLimiter = dataclasses.field(default_factory=RateLimiter)
+    limiter: Limiter = dataclasses.field(default_factory=RateLimiter)
     session: requests.Session = dataclasses.field(default_factory=requests.Session)
     rng: random.Random = dataclasses.field(default_factory=random.Random)
     owner: str = ""  # this replica, holding the lease of what it sends

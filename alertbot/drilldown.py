@@ -24,6 +24,7 @@ from megatrace.alertbot.config import DrilldownConfig
 from megatrace.alertbot.gather import Gathered, GatherError, gather
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.pipeline import Pipeline
+from megatrace.analyzer.uncollected import format_ranks
 from megatrace.exporters.trace_store import JOB_NAME
 from megatrace.tracer.ringfile import RingFormatError, read_header
 
@@ -55,16 +56,25 @@ def resolve_trace_dir(roots: list[str], job: str) -> Path | None:
     return None
 
 
-def analyzer_argv(command: list[str], directory: Path) -> list[str]:
+def analyzer_argv(command: list[str], directory: Path, uncollected: set[int] | None = None) -> list[str]:
+    """The analyzer's command line for `directory`, naming the ranks whose data was not collected."""
     base = command or [sys.executable, "-m", "megatrace.cli", "analyze"]
-    return [*base, str(directory), "--format", "json", "--quiet"]
+    extra = ["--uncollected-ranks", format_ranks(uncollected)] if uncollected else []
+    return [*base, str(directory), "--format", "json", "--quiet", *extra]
 
 
-def run_analyzer(command: list[str], directory: Path, timeout: float) -> dict[str, Any]:
-    """The analyzer's JSON report for `directory`, or ``{"error": ...}``."""
+def run_analyzer(
+    command: list[str], directory: Path, timeout: float, uncollected: set[int] | None = None
+) -> dict[str, Any]:
+    """The analyzer's JSON report for `directory` (`uncollected`: ranks whose data could not be
+    collected, never blamed for missing it), or ``{"error": ...}``."""
     try:
         done = subprocess.run(
-            analyzer_argv(command, directory), capture_output=True, text=True, timeout=timeout, check=False
+            analyzer_argv(command, directory, uncollected),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return {"error": f"the analyzer took longer than {timeout:.0f}s"}
@@ -226,7 +236,9 @@ class DrilldownRunner:
             found = SOURCES[self.cfg.source](self.cfg, job, Path(scratch))
             if isinstance(found, str):
                 return {"error": found}
-            report = run_analyzer(self.cfg.analyzer_command, found.directory, self.cfg.timeout_s)
+            report = run_analyzer(
+                self.cfg.analyzer_command, found.directory, self.cfg.timeout_s, found.uncollected
+            )
         report = name_suspects(report, found.placement)
         hosts = {
             s.get("agent") or s.get("host")
@@ -238,6 +250,8 @@ class DrilldownRunner:
             hints += prometheus_hints(self.cfg.prometheus_url, str(host), self.cfg.hint_lookback_s)
         if found.no_data:
             report["no_data"] = no_data_summary(found.no_data)
+        if found.notes:
+            report["gather_notes"] = found.notes
         return report | {"hints": hints}
 
     def run(self, drilldown_id: int) -> None:

@@ -19,6 +19,8 @@ SEEN = {
     "lagging": "Rank {rank} fell behind: the other ranks are ahead and wait for it.",
     "awaited": "The other ranks wait for rank {rank} in a collective it has not joined.",
     "slow": "Rank {rank} takes longer per step than the others, and they wait for it every step.",
+    "lost": "Node {node} is lost: its agent stopped answering, and rank {rank} with the node's other ranks "
+    "no longer reports while the rest of the job waits.",
 }
 
 
@@ -78,8 +80,9 @@ def from_labels(alertname: str, labels: dict[str, str]) -> Culprit | None:
     if not rank:
         return None
     seen = known(labels.get("culprit_seen"))
-    sentence = SEEN[seen].format(rank=rank) if seen in SEEN else ""
-    return Culprit(rank, known(labels.get("culprit_node")), seen, sentence)
+    node = known(labels.get("culprit_node"))
+    sentence = SEEN[seen].format(rank=rank, node=node or "?") if seen in SEEN else ""
+    return Culprit(rank, node, seen, sentence)
 
 
 def from_verdict(report: dict[str, Any], where: str = "") -> Culprit | None:
@@ -178,4 +181,6 @@ def pending_text(incident: Incident) -> str:
         return f"not named: the drill-down failed ({incident.verdict['error']})"
     if incident.verdict.get("verdict") == "healthy":
         return "not named: the analyzer found no hung or slow rank in the trace data"
+    if incident.verdict.get("verdict") in ("inconclusive", "no-data"):
+        return "not named: the trace data the drill-down could collect allows no safe call"
     return "not known yet; the drill-down's verdict follows"

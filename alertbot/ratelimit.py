@@ -1,5 +1,7 @@
 """Per-destination rate limits (Feishu: 5/s and 100/min per group bot; app limits) as sliding windows,
-so no window of that length ever holds more requests than allowed.
+so no window of that length ever holds more requests than allowed. `RateLimiter` keeps them in the
+process; `SharedRateLimiter` keeps them in the database, so that replicas sharing one (PostgreSQL)
+stay together under Feishu's limits (which count per chat and per app, not per replica).
 
 A request is counted from the moment its slot is taken, and `settle` moves it to the moment its reply
 came back: Feishu counts a request when it arrives, which is somewhere in between, so a request
@@ -9,6 +11,18 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from megatrace.alertbot.store import Store
+
+Window = tuple[str, float, float]  # (limiter key, requests allowed, window in seconds)
+
+
+class Limiter(Protocol):
+    def acquire(self, limits: Sequence[Window], now: float) -> float: ...
+
+    def settle(self, limits: Sequence[Window], taken: float, done: float) -> None: ...
 
 
 class RateLimiter:
@@ -18,7 +32,7 @@ class RateLimiter:
         self._sent: dict[tuple[str, float], collections.deque[float]] = {}
         self._lock = threading.Lock()
 
-    def acquire(self, limits: list[tuple[str, float, float]], now: float) -> float:
+    def acquire(self, limits: Sequence[Window], now: float) -> float:
         """`limits` are (name, requests, per seconds). Returns 0 and records the request when every
         window has room, else the seconds until all would have (recording nothing)."""
         with self._lock:
@@ -37,7 +51,7 @@ class RateLimiter:
                 sent.append(now)
             return 0.0
 
-    def settle(self, limits: list[tuple[str, float, float]], taken: float, done: float) -> None:
+    def settle(self, limits: Sequence[Window], taken: float, done: float) -> None:
         """Count the request whose slot was taken at `taken` as made at `done` (when it finished)."""
         with self._lock:
             for name, _requests, per in limits:
@@ -52,3 +66,26 @@ class RateLimiter:
                     ordered = sorted(sent)
                     sent.clear()
                     sent.extend(ordered)
+
+
+class SharedRateLimiter:
+    """`RateLimiter`'s windows as rows of the shared database (`Store.take_rate_slots`): a slot is
+    taken under the store's write lock, so two replicas cannot both take the last one. Replicas'
+    clocks must agree to well under a second (NTP), as the windows compare their times."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._taken: dict[tuple[float, tuple[Window, ...]], list[int]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, limits: Sequence[Window], now: float) -> float:
+        wait, ids = self.store.take_rate_slots(limits, now)
+        if ids:
+            with self._lock:
+                self._taken[(now, tuple(limits))] = ids
+        return wait
+
+    def settle(self, limits: Sequence[Window], taken: float, done: float) -> None:
+        with self._lock:
+            ids = self._taken.pop((taken, tuple(limits)), [])
+        self.store.settle_rate_slots(ids, max(done, taken))

@@ -1,5 +1,6 @@
 """The bot's HTTP endpoints: ``POST /alertmanager`` (webhook intake), ``POST /silence``,
-``POST /feishu/callback`` (card actions, request-URL mode), ``GET /healthz`` and ``GET /metrics``.
+``POST /feishu/callback`` (card actions, request-URL mode), ``GET /healthz`` (liveness),
+``GET /readyz`` (readiness) and ``GET /metrics``.
 
 The webhook answers 200 only after the validated body is committed to the store; everything else
 (dedupe, delivery) happens afterwards in the service's worker.
@@ -14,6 +15,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,8 @@ LISTEN_BACKLOG = 4096
 # A refused body's first bytes are read for the group key Alertmanager writes near the start.
 GROUP_KEY_SCAN = 64 * 1024
 GROUP_KEY = re.compile(rb'"groupKey"\s*:\s*"((?:[^"\\]|\\.){0,2000})"')
+# A card callback is a few kB; its limit is its own, far below the webhook's.
+CALLBACK_MAX_BODY = 1024 * 1024
 
 
 def authorized(header: str | None, auth: AuthConfig) -> bool:
@@ -106,7 +110,8 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(data)
 
-        def read_body(self) -> bytearray | None:
+        def read_body(self, limit: int, refuse: Callable[[int], None]) -> bytearray | None:
+            """The whole body, or None after answering why not (`refuse(length)` when over `limit`)."""
             header = self.headers.get("Content-Length")
             if header is None:
                 self.close_connection = True
@@ -117,8 +122,8 @@ def make_server(service: Service) -> ThreadingHTTPServer:
                 self.reply(400, {"error": "Content-Length: expected a decimal number of bytes"})
                 return None
             length = int(header)
-            if length > service.cfg.max_body_bytes:
-                self.refuse_too_large(length)
+            if length > limit:
+                refuse(length)
                 return None
             body = bytearray(length)  # one buffer, filled in place: no chunks joined into a copy
             try:
@@ -132,6 +137,13 @@ def make_server(service: Service) -> ThreadingHTTPServer:
                 self.reply(408, {"error": f"body not received within {service.cfg.read_timeout_s:g}s"})
                 return None
             return body
+
+        def refuse_large_callback(self, length: int) -> None:
+            """413 for a callback body over `CALLBACK_MAX_BODY`, before a byte of it is read."""
+            self.close_connection = True
+            service.metrics.webhooks.labels("callback_rejected").inc()
+            log.warning("refused a %d-byte Feishu callback from %s", length, self.address_string())
+            self.reply(413, {"error": f"body larger than {CALLBACK_MAX_BODY} bytes"})
 
         def refuse_too_large(self, length: int) -> None:
             """413 for a body over `max_body_bytes`, counted and logged with the group key its
@@ -167,8 +179,9 @@ def make_server(service: Service) -> ThreadingHTTPServer:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
-                status, body = service.health()
-                self.reply(status, body)
+                self.reply(*service.liveness())
+            elif path == "/readyz":
+                self.reply(*service.readiness())
             elif path == "/metrics":
                 self.reply(200, service.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
             else:
@@ -177,7 +190,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
         def do_POST(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/feishu/callback" and service.cfg.feishu.callback.mode == "request_url":
-                body = self.read_body()
+                body = self.read_body(CALLBACK_MAX_BODY, self.refuse_large_callback)
                 if body is not None:
                     self.card_callback(body)
                 return
@@ -186,7 +199,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
                 return
             if not self.authenticate():
                 return
-            body = self.read_body()
+            body = self.read_body(service.cfg.max_body_bytes, self.refuse_too_large)
             if body is None:
                 return
             if path == "/alertmanager":
@@ -221,7 +234,8 @@ def make_server(service: Service) -> ThreadingHTTPServer:
 
         def card_callback(self, body: bytes) -> None:
             """A Feishu card action (request-URL mode): authenticated by Feishu's signature and
-            verification token instead of our credentials; answered within Feishu's 3 s."""
+            verification token instead of our credentials; answered within Feishu's 3 s. The
+            module (and lark-oapi) was loaded when the service started (`Service.__init__`)."""
             from megatrace.alertbot.callbacks import CallbackRejected, verify_request
 
             try:
@@ -229,7 +243,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             except CallbackRejected as exc:
                 service.metrics.webhooks.labels("callback_rejected").inc()
                 log.warning("rejected Feishu callback from %s: %s", self.address_string(), exc)
-                self.reply(401, {"msg": "rejected"})
+                self.reply(exc.status, {"msg": "rejected"})
                 return
             if callback.get("type") == "url_verification":
                 self.reply(200, {"challenge": callback.get("challenge", "")})

@@ -31,14 +31,26 @@ from megatrace.alertbot.grading import load_policy
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import Escalator
 from megatrace.alertbot.pipeline import Pipeline, idempotency_key
+from megatrace.alertbot.ratelimit import RateLimiter, SharedRateLimiter
 from megatrace.alertbot.report import build_report
 from megatrace.alertbot.server import make_server
 from megatrace.alertbot.store import open_store
 
 log = logging.getLogger(__name__)
 QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or more, nothing to act on
-# /healthz fails when the worker (which wakes at least once a second) finished no round for this long.
+# The worker wakes at least once a second; a round that has not succeeded for this long is "stuck".
 WORKER_STALL_S = 120.0
+# While rounds keep failing, the failure is logged with its traceback at most this often.
+FAILURE_LOG_EVERY_S = 30.0
+
+
+def load_callbacks(cfg: AlertbotConfig) -> None:
+    """Import the callback code (lark-oapi takes seconds) and set up its cipher at start, never
+    inside a request: Feishu gives ``url_verification`` 1 s and a card action 3 s."""
+    from megatrace.alertbot import callbacks
+
+    if cfg.feishu.callback.mode == "request_url":
+        callbacks.warm_up(cfg.feishu.callback)
 
 
 class Service:
@@ -53,6 +65,8 @@ class Service:
         # What can fail on bad settings or a busy port comes first: a failed start leaves no database.
         policy = load_policy(cfg.grading.policy_file) if cfg.grading.policy_file else []
         self.renderer = CardRenderer(cfg.templates_dir, cfg.links, cfg.report.timezone)
+        if cfg.feishu.callback.mode:
+            load_callbacks(cfg)
         self.httpd = make_server(self) if listen else None
         try:
             self.store = open_store(cfg.store.url, cfg.store.path, cfg.store.synchronous)
@@ -78,6 +92,7 @@ class Service:
             self.metrics,
             self.app,
             ConsoleSink(cfg.delivery.console_path),
+            limiter=SharedRateLimiter(self.store) if self.shared else RateLimiter(),
             owner=self.replica,
             lease_s=cfg.store.lease_s,
         )
@@ -91,6 +106,8 @@ class Service:
         self._threads: list[threading.Thread] = []
         self.stall_after_s = WORKER_STALL_S
         self._last_round = time.monotonic()  # when the worker last finished a round without failing
+        self._round_error: Exception | None = None  # what the last round failed with, if it failed
+        self._last_failure_log = 0.0
 
     @property
     def port(self) -> int:
@@ -100,22 +117,50 @@ class Service:
     def wake(self) -> None:
         self._wake.set()
 
-    def health(self) -> tuple[int, dict[str, Any]]:
-        """200 while alerts move: the worker runs and finished a round without failing within
-        `stall_after_s`; 503 otherwise, saying why."""
+    def liveness(self) -> tuple[int, dict[str, Any]]:
+        """``/healthz``: 503 only when restarting the process would help: a thread died, or the
+        worker has not finished a round for `stall_after_s` for a reason other than the store (a
+        store outage is readiness's business: a restart cannot bring the database back)."""
+        if not all(t.is_alive() for t in self._threads):
+            return 503, {"status": "worker stopped"}
         try:
-            depth = self.store.queue_depth()
-            dead = len(self.store.dead_letters())
-            quarantined = self.store.quarantine_count()
+            counts = self._counts()
+        except Exception as exc:
+            return 200, {"status": "store unavailable", "error": type(exc).__name__}
+        stalled_for = time.monotonic() - self._last_round
+        if stalled_for > self.stall_after_s and not self._store_failed():
+            return 503, {"status": "worker stuck", "seconds_since_last_round": round(stalled_for), **counts}
+        return 200, {"status": "ok", **counts}
+
+    def readiness(self) -> tuple[int, dict[str, Any]]:
+        """``/readyz``: 200 while alerts move: the store answers and the worker finished a round
+        without failing within `stall_after_s`; 503 otherwise, naming the cause."""
+        try:
+            counts = self._counts()
         except Exception as exc:
             return 503, {"status": "store unavailable", "error": type(exc).__name__}
-        counts = {"queue": depth, "dead": dead, "quarantined": quarantined}
         if not all(t.is_alive() for t in self._threads):
             return 503, {"status": "worker stopped", **counts}
         stalled_for = time.monotonic() - self._last_round
         if stalled_for > self.stall_after_s:
-            return 503, {"status": "worker stuck", "seconds_since_last_round": round(stalled_for), **counts}
+            cause = {"error": type(self._round_error).__name__} if self._round_error else {}
+            return 503, {
+                "status": "worker stuck",
+                "seconds_since_last_round": round(stalled_for),
+                **cause,
+                **counts,
+            }
         return 200, {"status": "ok", **counts}
+
+    def _counts(self) -> dict[str, int]:
+        return {
+            "queue": self.store.queue_depth(),
+            "dead": len(self.store.dead_letters()),
+            "quarantined": self.store.quarantine_count(),
+        }
+
+    def _store_failed(self) -> bool:
+        return isinstance(self._round_error, self.store.errors)
 
     # -- the worker -----------------------------------------------------------------------------
 
@@ -157,18 +202,35 @@ class Service:
         return self.actions.handle(callback, source, time.time())
 
     def _worker(self) -> None:
+        """Rounds until stopped. No exception ends it: a round that fails (the database gone, a bug)
+        is logged and retried a second later, and readiness says so until a round succeeds."""
         while not self._stop.is_set():
             try:
                 more = self.work_once()
-                self._last_round = time.monotonic()
-                if more:
-                    continue
-            except Exception:
-                log.exception("worker iteration failed; retrying")
-            next_due = self.store.next_due()
+                next_due = None if more else self.store.next_due()
+            except Exception as exc:
+                self._round_failed(exc)
+                more, next_due = False, None
+            else:
+                self._round_succeeded()
+            if more:
+                continue
             timeout = 1.0 if next_due is None else min(1.0, max(0.0, next_due - time.time()))
             self._wake.wait(timeout)
             self._wake.clear()
+
+    def _round_succeeded(self) -> None:
+        if self._round_error is not None:
+            log.warning("worker rounds succeed again after %s", type(self._round_error).__name__)
+        self._round_error = None
+        self._last_round = time.monotonic()
+
+    def _round_failed(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if self._round_error is None or now - self._last_failure_log >= FAILURE_LOG_EVERY_S:
+            self._last_failure_log = now
+            log.error("worker round failed; retrying every second until it succeeds", exc_info=exc)
+        self._round_error = exc
 
     # -- scheduled jobs -------------------------------------------------------------------------
 

@@ -110,6 +110,11 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX incidents_open ON incidents(job, level, closed_at);
     ALTER TABLE episodes ADD COLUMN incident_id INTEGER;
     """,
+    # Feishu's rate windows, shared by the replicas of one database (`ratelimit.SharedRateLimiter`).
+    """
+    CREATE TABLE rate_slots (id INTEGER PRIMARY KEY, name TEXT NOT NULL, at REAL NOT NULL);
+    CREATE INDEX rate_slots_name ON rate_slots(name, at);
+    """,
 )
 
 OPEN_STATES = ("pending", "sending")
@@ -323,6 +328,16 @@ class Store:
             cur = db.execute(f"INSERT INTO episodes ({names}) VALUES ({marks})", tuple(fields.values()))
             return int(cur.lastrowid)
 
+    def begin_silence(self, episode_id: int, marker: str, now: float, until: float) -> bool:
+        """Mark the alert as being silenced (``silence_id`` = `marker` until `until`) unless a
+        silence of it is active or being made: True for the one caller that may create it."""
+        cur = self.execute(
+            "UPDATE episodes SET silence_id = ?, silenced_until = ? WHERE id = ? "
+            "AND (silence_id IS NULL OR silenced_until IS NULL OR silenced_until <= ?)",
+            (marker, until, episode_id, now),
+        )
+        return cur.rowcount == 1
+
     def update_episode(self, episode_id: int, **fields: Any) -> None:
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self.execute(f"UPDATE episodes SET {assignments} WHERE id = ?", (*fields.values(), episode_id))
@@ -426,6 +441,14 @@ class Store:
         clause = " AND ".join(f"{name} = ?" for name in where)
         return self.query(f"SELECT * FROM outbox WHERE {clause} ORDER BY id", tuple(where.values()))
 
+    def card_episodes(self, message_id: str) -> list[int]:
+        """The alerts whose card (or card update) was sent as message `message_id`."""
+        rows = self.query(
+            "SELECT DISTINCT episode_id FROM outbox WHERE message_id = ? AND episode_id IS NOT NULL",
+            (message_id,),
+        )
+        return [int(row[0]) for row in rows]
+
     def set_outbox(self, outbox_id: int, **fields: Any) -> None:
         assignments = ", ".join(f"{name} = ?" for name in fields)
         self.execute(f"UPDATE outbox SET {assignments} WHERE id = ?", (*fields.values(), outbox_id))
@@ -527,6 +550,34 @@ class Store:
 
     def drilldown(self, drilldown_id: int) -> sqlite3.Row | None:
         return self.one("SELECT * FROM drilldowns WHERE id = ?", (drilldown_id,))
+
+    # -- rate windows ---------------------------------------------------------------------------
+
+    def take_rate_slots(
+        self, windows: Sequence[tuple[str, float, float]], now: float
+    ) -> tuple[float, list[int]]:
+        """A slot at `now` in every window (name, requests, per seconds) or in none, atomically for
+        every replica: (0, the slots' ids) when each has room, else (seconds until all would, [])."""
+        with self.transaction():
+            wait = 0.0
+            for name, requests, per in windows:
+                key = f"{name}/{per:g}"
+                self.execute("DELETE FROM rate_slots WHERE name = ? AND at <= ?", (key, now - per))
+                newest = self.query(
+                    "SELECT at FROM rate_slots WHERE name = ? ORDER BY at DESC LIMIT ?", (key, int(requests))
+                )
+                if len(newest) >= requests:
+                    wait = max(wait, float(newest[-1][0]) + per - now)
+            if wait > 0:
+                return wait, []
+            insert = "INSERT INTO rate_slots (name, at) VALUES (?, ?)"
+            return 0.0, [int(self.execute(insert, (f"{n}/{per:g}", now)).lastrowid) for n, _, per in windows]
+
+    def settle_rate_slots(self, ids: Sequence[int], at: float) -> None:
+        """Count the slots `ids` as taken at `at` (when their request finished)."""
+        if ids:
+            marks = ", ".join("?" for _ in ids)
+            self.execute(f"UPDATE rate_slots SET at = ? WHERE id IN ({marks})", (at, *ids))
 
     # -- cluster coordination -------------------------------------------------------------------
 

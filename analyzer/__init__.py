@@ -10,8 +10,15 @@ from pathlib import Path
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 
 
-def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = False, stall_s: float = 1.0):
+def run(
+    paths,
+    layout: Layout | LayoutConfig | None = None,
+    progress: bool = False,
+    stall_s: float = 1.0,
+    uncollected: frozenset[int] = frozenset(),
+):
     """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from.
+    `uncollected`: ranks whose data the caller failed to collect (never blamed for missing data).
 
     Traces of several jobs under the paths are analyzed job by job: the report then lists each under
     ``jobs`` and gives the most serious verdict, with every job's suspects (each naming its job).
@@ -22,7 +29,9 @@ def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = Fal
     if isinstance(paths, str | Path):
         paths = [paths]
     jobs = load_jobs(list(paths), layout, progress)
-    results = [(job, *_analyze_table(table, loaded, layout, stall_s)) for job, table, loaded in jobs]
+    results = [
+        (job, *_analyze_table(table, loaded, layout, stall_s, uncollected)) for job, table, loaded in jobs
+    ]
     if len(results) == 1:
         return results[0][1], results[0][2]
     report = combine_jobs([(job, report) for job, report, _table in results])
@@ -30,11 +39,14 @@ def run(paths, layout: Layout | LayoutConfig | None = None, progress: bool = Fal
     return report, worst
 
 
-def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s: float):
+def _analyze_table(
+    table, loaded, layout: Layout | LayoutConfig | None, stall_s: float, uncollected: frozenset[int]
+):
     from megatrace.analyzer.hang import detect_hang
     from megatrace.analyzer.infer import check_given, infer_layout
     from megatrace.analyzer.report import build_report
     from megatrace.analyzer.slow import detect_slow
+    from megatrace.analyzer.uncollected import set_aside
 
     resolved = layout
     if isinstance(layout, LayoutConfig):
@@ -49,11 +61,13 @@ def _analyze_table(table, loaded, layout: Layout | LayoutConfig | None, stall_s:
             table.notes.append(contradiction)
     else:
         resolved = inferred.layout
-    hang = detect_hang(table, stall_s)
+    hang = set_aside(detect_hang(table, stall_s), table, uncollected)
     # stages are judged by the layout that explains the traces: a contradicted one is not trusted
     slow = detect_slow(table, inferred.layout if contradiction else resolved)
     report = build_report(table, loaded, hang, slow, resolved)
     report["layout_inferred"] = inferred.as_dict()
+    if uncollected:
+        report["uncollected_ranks"] = sorted(uncollected)
     return report, table
 
 

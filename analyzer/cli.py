@@ -9,6 +9,7 @@ from pathlib import Path
 from megatrace.analyzer import run
 from megatrace.analyzer.layout import DEFAULT_ORDER, LayoutError, layout_config_from, load_layout_file
 from megatrace.analyzer.report import render
+from megatrace.analyzer.uncollected import parse_ranks, read_ranks_file
 from megatrace.config import ConfigError
 
 EXIT_CODES = {"healthy": 0, "hang": 1, "slow": 1, "inconclusive": 3, "no-data": 3}
@@ -37,8 +38,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int, help="ranks per node when logs do not name hosts (default 8)")
     p.add_argument("--layout", metavar="FILE", help="YAML layout file (keys as the flags, e.g. tp: 8)")
     p.add_argument("--stall-seconds", type=float, default=1.0, help="in-flight this long counts as stuck")
+    p.add_argument(
+        "--uncollected-ranks",
+        metavar="LIST",
+        help="ranks whose trace data could not be collected (agent unreachable, timed out, partitioned), "
+        "e.g. 0-3,8: missing data is then no evidence against them, and they are never named for it",
+    )
+    p.add_argument(
+        "--uncollected-ranks-file",
+        metavar="FILE",
+        help="the same list read from a file (commas, spaces or lines between items; # starts a comment)",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=handle)
+
+
+def uncollected_ranks(args: argparse.Namespace) -> frozenset[int]:
+    """The ranks of --uncollected-ranks and --uncollected-ranks-file together; ValueError or OSError
+    naming the flag."""
+    ranks: frozenset[int] = frozenset()
+    if args.uncollected_ranks is not None:
+        try:
+            ranks |= parse_ranks(args.uncollected_ranks)
+        except ValueError as exc:
+            raise ValueError(f"--uncollected-ranks: {exc}") from None
+    if args.uncollected_ranks_file is not None:
+        try:
+            ranks |= read_ranks_file(args.uncollected_ranks_file)
+        except OSError as exc:
+            raise OSError(
+                f"--uncollected-ranks-file {args.uncollected_ranks_file}: {exc.strerror or exc}"
+            ) from None
+        except ValueError as exc:
+            raise ValueError(f"--uncollected-ranks-file {args.uncollected_ranks_file}: {exc}") from None
+    return ranks
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -48,12 +81,21 @@ def handle(args: argparse.Namespace) -> int:
         print("megatrace analyze: --stall-seconds must be 0 or more", file=sys.stderr)
         return 2
     try:
+        uncollected = uncollected_ranks(args)
+    except (OSError, ValueError) as exc:
+        print(f"megatrace analyze: {exc}", file=sys.stderr)
+        return 2
+    try:
         if args.layout:
             config = load_layout_file(args.layout, overrides=given)
         else:
             config = layout_config_from(given) if given else None
         report, table = run(
-            args.paths, config, progress=not args.quiet and sys.stderr.isatty(), stall_s=args.stall_seconds
+            args.paths,
+            config,
+            progress=not args.quiet and sys.stderr.isatty(),
+            stall_s=args.stall_seconds,
+            uncollected=uncollected,
         )
     except (LayoutError, ConfigError) as exc:
         print(f"megatrace analyze: {exc}", file=sys.stderr)

@@ -159,7 +159,7 @@ def plan(config: StackConfig) -> list[Part]:
         Part(
             "alertbot",
             _megatrace_argv("alertbot", "--config", str(bot_file)),
-            http(ports.alertbot, "/healthz"),
+            http(ports.alertbot, "/readyz"),
             http(ports.alertbot),
             ports.alertbot,
         ),

@@ -691,6 +691,39 @@ def test_drilldown_in_the_cluster_needs_no_shared_volume(
     ]
 
 
+def test_the_bot_finds_the_agents_through_a_headless_service_when_prometheus_is_down(
+    defaults: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exporter's headless Service resolves to every agent pod (ready or not) on the trace port; no
+    ServiceMonitor selects it; the bot's DNS fallback names it."""
+    service = by_component(defaults, "Service", "exporter-dns")
+    assert service["metadata"]["name"] == f"{RELEASE}-megatrace-exporter-headless"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    pod_labels = only(defaults, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert service["spec"]["ports"] == [
+        {"name": "traces", "port": 9452, "targetPort": "traces", "protocol": "TCP"}
+    ]
+    for monitor in of_kind(defaults, "ServiceMonitor"):
+        assert not monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    config = bot_configuration(defaults, {"webhook-token": "tok-1"}, tmp_path, monkeypatch)
+    name = f"{RELEASE}-megatrace-exporter-headless.{NAMESPACE}.svc"
+    assert config.drilldown.agents.fallback.dns_name == name
+
+    off = render({"exporter": {"traceEndpoint": {"headlessService": False}}})
+    assert [
+        s["metadata"]["name"] for s in of_kind(off, "Service") if "headless" in s["metadata"]["name"]
+    ] == []
+    (tmp_path / "off").mkdir()
+    config = bot_configuration(off, {"webhook-token": "tok-1"}, tmp_path / "off", monkeypatch)
+    assert config.drilldown.agents.fallback.dns_name == ""
+    kept = render({"alertbot": {"drilldown": {"dnsFallback": False}}})
+    (tmp_path / "kept").mkdir()
+    config = bot_configuration(kept, {"webhook-token": "tok-1"}, tmp_path / "kept", monkeypatch)
+    assert config.drilldown.agents.fallback.dns_name == ""
+    assert by_component(kept, "Service", "exporter-dns")
+
+
 def test_drilldown_from_agents_needs_the_trace_endpoint_and_prometheus() -> None:
     for values in (
         {"exporter": {"traceEndpoint": {"enabled": False}}},

@@ -14,6 +14,7 @@ import requests
 
 from megatrace.alertbot.config import AlertbotConfig
 from megatrace.alertbot.feishu import FeishuApp, SendResult
+from megatrace.alertbot.ratelimit import Window
 from megatrace.alertbot.store import Store
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
 # Sliding windows are padded (one second counted as 1.25 s, one minute as 61 s) so that network
 # jitter cannot make Feishu count more requests in its window than it allows.
 SECOND, MINUTE = 1.25, 61.0
-Window = tuple[str, float, float]  # (limiter key, requests allowed, window in seconds)
 
 
 def card_message(card: dict[str, Any]) -> dict[str, Any]:

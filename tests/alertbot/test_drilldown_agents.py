@@ -59,9 +59,16 @@ def hung_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextlib.contextmanager
-def agent(tmp_path: Path, node: str, address: str, root: Path, ports: tuple[int, int]) -> Iterator[object]:
+def agent(
+    tmp_path: Path,
+    node: str,
+    address: str,
+    root: Path,
+    ports: tuple[int, int],
+    ranks: list[int] | None = None,
+) -> Iterator[object]:
     """`megatrace exporter` serving `root` on `address`, its kubelet stand-in naming the node's pod."""
-    ranks = NODES[node][1]
+    ranks = NODES[node][1] if ranks is None else ranks
     socket = tmp_path / f"{node}.sock"
     pods = list_response(pod("ml-train", f"llm-7-worker-{node[-1]}", "trainer", [gpu_uuid(r) for r in ranks]))
     settings = {
@@ -82,12 +89,12 @@ def agent(tmp_path: Path, node: str, address: str, root: Path, ports: tuple[int,
         yield proc
 
 
-def wait_for_ranks(prometheus: str, count: int) -> None:
+def wait_for_ranks(prometheus: str, count: int, job: str = "llm-7") -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         answer = requests.get(
             f"{prometheus}/api/v1/query",
-            params={"query": 'megatrace_tracer_rank_info{job="llm-7"}'},
+            params={"query": f'megatrace_tracer_rank_info{{job="{job}"}}'},
             timeout=10,
         ).json()
         if len(answer["data"]["result"]) == count:
@@ -173,6 +180,72 @@ def test_two_agents_serve_the_job_and_the_bot_names_rank_node_pod_and_gpu(
     ]
     text = card_text(bot, one_down)
     assert f"- ranks 2-3: agent 127.0.0.3:{trace_port}: connection refused or lost after 2 tries" in text
-    # the reachable agent's ranks waited on ranks 2 and 3, which left no data: the analyzer names both
-    assert one_down["verdict"] == "hang"
-    assert [(s["rank"], s["cause"]) for s in one_down["suspects"]] == [(2, "no_log"), (3, "no_log")]
+    # the reachable agent's ranks waited on ranks 2 and 3, whose data could not be collected: that is no
+    # evidence against them, so nobody is named (the rules' culprit, if any, keeps the card)
+    assert one_down["uncollected_ranks"] == [2, 3]
+    assert one_down["verdict"] == "inconclusive" and one_down["suspects"] == []
+    assert "**Culprit**: not named: the trace data the drill-down could collect allows no safe call" in text
+
+
+EIGHT = {"node-a": ("127.0.0.2", [0, 1, 2, 3]), "node-b": ("127.0.0.3", [4, 5, 6, 7])}
+HUNG_OF_EIGHT = 5
+
+
+@pytest.fixture(scope="module")
+def eight_rank_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    traces = tmp_path_factory.mktemp("job8") / "traces"
+    env = {"MEGATRACE_FAULT_HANG_RANK": str(HUNG_OF_EIGHT), "MEGATRACE_FAULT_HANG_AT_STEP": "3"}
+    return run_traced_job(traces, nprocs=8, steps=6, env={**env, "MEGATRACE_TRACE_JOB": "llm-8"})
+
+
+@pytest.mark.slow
+def test_an_unreachable_agents_ranks_are_not_blamed_and_the_hung_rank_comes_first(
+    eight_rank_job: Path, tmp_path: Path
+) -> None:
+    """The issue's case: 8 ranks on two agents, rank 5 on node B hung, node A's agent stopped. Before,
+    ranks 0-3 led the verdict as `no_log` (0.7) and the hung rank came fifth."""
+    (tmp_path / "token").write_text(TOKEN)
+    roots = {}
+    for node, (_, ranks) in EIGHT.items():
+        root = tmp_path / f"root-{node}" / "llm-8"
+        root.mkdir(parents=True)
+        for rank in ranks:
+            for path in eight_rank_job.glob(f"rank-{rank}.*"):
+                shutil.copy2(path, root / path.name)
+        roots[node] = root.parent
+    metrics_ports = {node: free_port() for node in EIGHT}
+    trace_port, prometheus_port = free_port(), free_port()
+    targets = [f"{address}:{metrics_ports[node]}" for node, (address, _) in EIGHT.items()]
+    scrape = {"job_name": "megatrace", "honor_labels": True, "static_configs": [{"targets": targets}]}
+    (tmp_path / "prometheus.yml").write_text(
+        yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]})
+    )
+    prometheus = f"http://127.0.0.1:{prometheus_port}"
+    agents = {"port": trace_port, "token_file": str(tmp_path / "token"), "timeout_s": 5, "retries": 1}
+    cfg = config(tmp_path, drilldown={"source": "agents", "prometheus_url": prometheus, "agents": agents})
+    bot = Bot(cfg)
+    bot.receive(webhook(alert(job="llm-8")))
+    runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
+    prom_argv = prometheus_argv(tmp_path / "prometheus.yml", tmp_path / "prom-data", prometheus_port)
+    ports = {node: (metrics_ports[node], trace_port) for node in EIGHT}
+    with (
+        running(prom_argv, f"{prometheus}/-/ready", tmp_path / "prometheus.log"),
+        agent(tmp_path, "node-a", "127.0.0.2", roots["node-a"], ports["node-a"], EIGHT["node-a"][1]) as a,
+        agent(tmp_path, "node-b", "127.0.0.3", roots["node-b"], ports["node-b"], EIGHT["node-b"][1]),
+    ):
+        wait_for_ranks(prometheus, 8, "llm-8")
+        a.terminate()
+        a.wait(timeout=10)
+        report = runner.investigate("llm-8")
+    runner.shutdown()
+
+    assert report["verdict"] == "hang", json.dumps(report)[:3000]
+    first = report["suspects"][0]
+    assert (first["rank"], first["cause"], first["node"]) == (HUNG_OF_EIGHT, "rank_missing", "node-b")
+    assert not [s for s in report["suspects"] if s["rank"] in EIGHT["node-a"][1]]
+    assert report["uncollected_ranks"] == [0, 1, 2, 3]
+    reason = f"agent 127.0.0.2:{trace_port}: connection refused or lost after 2 tries"
+    assert report["no_data"] == [{"reason": reason, "ranks": [0, 1, 2, 3]}]
+    text = card_text(bot, report)
+    assert "**Culprit**: rank **5** on node **node-b**" in text
+    assert f"- ranks 0-3: {reason}" in text

@@ -259,3 +259,29 @@ def test_incidents_on_postgresql(tmp_path: Path, pg_url: str) -> None:
     ]
     summary = build_report(bot.store, T0 - 60, T0 + 3600, tmp_path / "week.xlsx")
     assert summary["total"] == 1
+
+
+def test_a_lost_node_named_by_the_rules_keeps_the_card_whatever_the_drill_down_could_collect(
+    tmp_path: Path,
+) -> None:
+    """The culprit's whole node is gone: the rules name it (`lost`); the drill-down reached none of its
+    ranks, so its verdict names nobody, and the card keeps the rules' culprit."""
+    settings, _ = drilldown(tmp_path, wait=300)
+    bot = Bot(config(tmp_path, drilldown=settings))
+    hang = job_hang(culprit_rank="2", culprit_node="node-b", culprit_seen="lost")
+    bot.receive(webhook(hang, *rank_hangs()), T0)
+    verdict = {
+        "verdict": "inconclusive",
+        "suspects": [],
+        "uncollected_ranks": [2, 3],
+        "no_data": [{"reason": "agent on node-b (10.0.0.3:9452): timed out after 3 tries", "ranks": [2, 3]}],
+    }
+    (page,) = bot.store.query("SELECT id FROM incidents WHERE level = 'P0'")
+    bot.store.set_incident(page["id"], verdict=json.dumps(verdict))
+    (row,) = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing' AND level = 'P0'")
+    card = bot.delivery.render(row, T0 + 5)["card"]
+    assert title(card) == "[P0] FIRING: rank 2 hung on node-b — job llm-7"
+    body = text(card)
+    assert "**Culprit**: rank **2** on node **node-b**" in body
+    assert "**Seen**: Node node-b is lost: its agent stopped answering" in body
+    assert "- ranks 2-3: agent on node-b (10.0.0.3:9452): timed out after 3 tries" in body

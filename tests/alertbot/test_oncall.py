@@ -73,11 +73,13 @@ def oncall_bot(tmp_path: Path, feishu: FeishuServer, alertmanager_for) -> Iterat
 
 
 def fire(bot: Service, am: str, feishu: FeishuServer, labels: dict[str, str]) -> tuple[dict, str]:
-    """Post the alert to Alertmanager; wait for its app card; returns (episode, message id)."""
+    """Post the alert to Alertmanager; wait for its app card, until the bot has recorded the card's
+    message id (a click names its card); returns (episode, message id)."""
     before = len(feishu.messages())
     post_to_alertmanager(am, labels)
     feishu.wait_for(lambda: len(feishu.messages()) > before)
     message = feishu.messages()[-1]
+    wait_until(lambda: bot.store.card_episodes(message.message_id), what="the card's send recorded")
     episode = bot.store.query("SELECT * FROM episodes ORDER BY id DESC LIMIT 1")[0]
     return dict(episode), message.message_id
 
@@ -281,12 +283,32 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
                 "last_seen": 1.0,
             }
         )
+        with bot.store.transaction():  # its card, as sent: an action names the card it came from
+            card = bot.store.enqueue(
+                {
+                    "kind": "firing",
+                    "episode_id": 1,
+                    "channel": "app",
+                    "destination": "oc_p0",
+                    "level": "P0",
+                    "idem_key": "card-of-1",
+                    "created_at": 1.0,
+                    "not_before": 1.0,
+                }
+            )
+            assert card is not None
+            bot.store.set_outbox(card, state="sent", message_id="om_1")
         assert ws.connected.wait(20), feishu.summary()
         answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"))
         assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}
         assert bot.store.episode(1)["claimed_by"] == "bob"
         refused = ws.push(card_action_event("", MALLORY, {"episode": 1, "action": "claim"}, "om_1"))
         assert refused["data"]["toast"]["type"] == "error"
+        elsewhere = ws.push(card_action_event("", BOB, {"episode": 1, "action": "note"}, "om_other"))
+        assert elsewhere["data"]["toast"] == {
+            "type": "error",
+            "content": "message 'om_other' is not a card of this alert",
+        }
         assert [(a["actor_name"], a["source"]) for a in bot.store.actions_of(1)] == [
             ("bob", "long_connection")
         ]

@@ -57,11 +57,11 @@ def program_killed(program: Program) -> Iterator[None]:
 
 @contextlib.contextmanager
 def postgres_down(control: ControlPlane) -> Iterator[None]:
-    """PostgreSQL crashes (immediate shutdown, every connection dropped), then starts again on its data."""
+    """PostgreSQL goes down (every connection dropped), then starts again on its data and port."""
     assert control.postgres is not None
-    control.postgres.crash()
+    control.postgres.halt()
     try:
         yield
     finally:
         with inside(control.namespace):
-            control.postgres.launch()
+            control.postgres.resume()

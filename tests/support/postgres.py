@@ -2,8 +2,7 @@
 
 `PostgresServer` runs ``initdb`` into a fresh temporary directory and starts ``postgres`` there. The
 server refuses to run as root, so under root both run as the package's ``postgres`` system user,
-which owns the directory. Durability settings are off: a `crash` loses nothing the tests rely on (the
-server recovers from its own WAL; only what the OS had not written would be lost).
+which owns the directory. Durability settings are off: tests kill the bot, never the database.
 """
 
 from __future__ import annotations
@@ -62,12 +61,12 @@ class PostgresServer:
             cwd=self.dir,
             **self._run_as(),
         )
-        return self.launch()
+        self._launch()
+        return self
 
-    def launch(self) -> PostgresServer:
-        """Start the server on the existing data directory (again, after `crash`)."""
+    def _launch(self) -> None:
         data = self.dir / "data"
-        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed in stop() or crash()
+        log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log = log
         self.proc = subprocess.Popen(
             [
@@ -95,15 +94,6 @@ class PostgresServer:
             **self._run_as(),
         )
         self._wait_ready()
-        return self
-
-    def crash(self) -> None:
-        """Take the server down at once, as a crash would: "immediate" shutdown (SIGQUIT), every
-        connection dropped, nothing flushed; `launch` brings it back on the same data."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)
-            self.proc.wait(timeout=30)
-            self._log.close()
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -128,6 +118,17 @@ class PostgresServer:
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
+
+    def halt(self) -> None:
+        """Stop the server as an outage would (clients disconnected), keeping its data for `resume`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+    def resume(self) -> None:
+        """Start the halted server again on the same port and data."""
+        self._launch()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
