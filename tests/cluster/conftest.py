@@ -24,7 +24,9 @@ from tests.support.helm_chart import render
 NODES = 4
 RANKS_PER_NODE = 2
 HUNG_RANK = 5  # on node 3
-DRILLDOWN_DEADLINE_S = 60  # the bot's drilldown.timeout_s
+GATHER_DEADLINE_S = 20  # the bot's drilldown.agents.deadline_s: the gathering's deadline
+ANALYZER_TIMEOUT_S = 60  # drilldown.timeout_s: the analyzer's run after it
+DRILLDOWN_DEADLINE_S = GATHER_DEADLINE_S + ANALYZER_TIMEOUT_S  # the longest a drill-down may take
 # The chart as installed, scraping every second so that the tests need not wait 15 s per sample.
 CHART_VALUES = {"exporter": {"serviceMonitor": {"interval": "1s", "scrapeTimeout": "1s"}}}
 
@@ -99,12 +101,14 @@ def drilldown_settings(cluster: Cluster, **agents: Any) -> dict[str, Any]:
     return {
         "source": "agents",
         "prometheus_url": cluster.control.url(9090),
-        "verdict_wait_s": DRILLDOWN_DEADLINE_S + 30,
-        "timeout_s": DRILLDOWN_DEADLINE_S,
+        "verdict_wait_s": DRILLDOWN_DEADLINE_S + 10,
+        "timeout_s": ANALYZER_TIMEOUT_S,
         "agents": {
             "port": cluster.nodes.trace_port,
             "token_file": str(cluster.nodes.token_file),
             "timeout_s": 3,
+            "connect_timeout_s": 2,
+            "deadline_s": GATHER_DEADLINE_S,
             "retries": 1,
             **agents,
         },
