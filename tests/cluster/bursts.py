@@ -10,6 +10,7 @@ import time
 
 import requests
 
+from megatrace.alertbot.payload import format_time
 from megatrace.demo import card_text
 from tests.cluster.conftest import AlertPath
 from tests.cluster.control import ALERTMANAGER_PORTS
@@ -22,12 +23,16 @@ class Burst:
 
     def __init__(self, path: AlertPath, tag: str, total: int, batch: int = 50, pause_s: float = 1.0) -> None:
         self.path, self.tag, self.total, self.batch, self.pause_s = path, tag, total, batch, pause_s
+        self.started = time.time()
         self.refused = 0  # posts an Alertmanager did not take (it was down)
         self.posted = 0
         self._thread = threading.Thread(target=self._post_all, name=f"burst-{tag}", daemon=True)
         self._pattern = re.compile(rf"\b{re.escape(tag)} alert (\d+)\b")
 
     def alerts(self, first: int, count: int) -> list[dict]:
+        """Alerts as Prometheus posts them: one `startsAt` (when the rule fired) for every Alertmanager,
+        `endsAt` four minutes ahead (Prometheus resends before that)."""
+        now = time.time()
         return [
             {
                 "labels": {
@@ -37,6 +42,8 @@ class Burst:
                     "rank": str(r),
                 },
                 "annotations": {"summary": f"{self.tag} alert {r}"},
+                "startsAt": format_time(self.started),
+                "endsAt": format_time(now + 240),
             }
             for r in range(first, min(first + count, self.total))
         ]
