@@ -27,6 +27,8 @@ class Burst:
         self.refused = 0  # posts an Alertmanager did not take (it was down)
         self.posted = 0
         self._thread = threading.Thread(target=self._post_all, name=f"burst-{tag}", daemon=True)
+        self._counts: collections.Counter[int] = collections.Counter()
+        self._read = 0  # messages of the chat already counted
         self._pattern = re.compile(rf"\b{re.escape(tag)} alert (\d+)\b")
 
     def alerts(self, first: int, count: int) -> list[dict]:
@@ -69,13 +71,15 @@ class Burst:
         self._thread.join()
 
     def delivered(self) -> collections.Counter[int]:
-        """How many cards each alert of the burst got at Feishu (first sends, not updates)."""
-        counts: collections.Counter[int] = collections.Counter()
-        for record in self.path.control.feishu.messages(CHAT):
+        """How many cards each alert of the burst got at Feishu (first sends, not updates); reads only
+        the messages that arrived since the last call."""
+        records = self.path.control.feishu.messages(CHAT)
+        for record in records[self._read :]:
             match = self._pattern.search(card_text({"card": record.body["content"]}))
             if match:
-                counts[int(match.group(1))] += 1
-        return counts
+                self._counts[int(match.group(1))] += 1
+        self._read = len(records)
+        return collections.Counter(self._counts)
 
     def wait_posted(self, count: int, timeout: float = 60.0) -> None:
         """Wait until the first `count` alerts were posted (the burst goes on)."""

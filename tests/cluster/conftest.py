@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.control import BOT_PORTS, ControlPlane, Program
+from tests.cluster.control import ControlPlane, Program
 from tests.cluster.network import ClusterNetwork, Node
 from tests.cluster.nodes import Job, Nodes
 from tests.support.helm_chart import render
@@ -138,8 +138,7 @@ def start_alert_path(control: ControlPlane, drilldown: dict[str, Any] | None = N
         control.bot_program(i, control.bot_config(i, {"url": database, "lease_s": 7}, drilldown))
         for i in range(2)
     ]
-    config = control.alertmanager_config(tuple(BOT_PORTS))
-    alertmanagers = [control.alertmanager_program(i, config) for i in range(2)]
+    alertmanagers = [control.alertmanager_program(i) for i in range(2)]
     return AlertPath(control, alertmanagers, bots)
 
 

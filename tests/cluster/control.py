@@ -159,9 +159,10 @@ class ControlPlane:
             self.postgres = PostgresServer().start()
             return self.postgres.database()
 
-    def alertmanager_config(self, bot_ports: tuple[int, ...]) -> Path:
-        """The chart's AlertmanagerConfig route as a plain alertmanager.yml, the webhook sent to every
-        bot replica (group waits shortened for the test)."""
+    def alertmanager_config(self, index: int) -> Path:
+        """Member `index`'s alertmanager.yml: the chart's AlertmanagerConfig route, its webhook sent to
+        bot replica `index`, as the bot's Service would hand it to one replica (group waits shortened
+        for the test)."""
         spec = only(self.objects, "AlertmanagerConfig")["spec"]
         route = spec["route"]
         receiver = spec["receivers"][0]
@@ -179,23 +180,23 @@ class ControlPlane:
                     "name": receiver["name"],
                     "webhook_configs": [
                         {
-                            "url": f"{self.url(port)}/alertmanager",
+                            "url": f"{self.url(BOT_PORTS[index])}/alertmanager",
                             "send_resolved": hook["sendResolved"],
                             "http_config": {
                                 "authorization": {"type": "Bearer", "credentials": WEBHOOK_TOKEN}
                             },
                         }
-                        for port in bot_ports
                     ],
                 }
             ],
         }
-        path = self.root / "alertmanager.yml"
+        path = self.root / f"alertmanager-{index}.yml"
         path.write_text(yaml.safe_dump(config))
         return path
 
-    def alertmanager_program(self, index: int, config: Path) -> Program:
+    def alertmanager_program(self, index: int) -> Program:
         """Member `index` of the HA pair, gossiping with the other on loopback."""
+        config = self.alertmanager_config(index)
         port, gossip = ALERTMANAGER_PORTS[index], GOSSIP_PORTS[index]
         peers = [f"127.0.0.1:{p}" for p in GOSSIP_PORTS if p != gossip]
         argv = alertmanager_argv(config, self.root / f"am{index}-data", port, f"127.0.0.1:{gossip}", peers)

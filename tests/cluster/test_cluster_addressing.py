@@ -5,6 +5,7 @@ and names the hung rank on its node."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -17,7 +18,7 @@ from tests.cluster.cards import wait_for_card
 from tests.cluster.conftest import HUNG_RANK, Cluster, start_drilldown_bot
 from tests.cluster.control import BOT_PORTS
 from tests.cluster.network import namespace_inode, netns_inode
-from tests.cluster.nodes import Job
+from tests.cluster.nodes import STORE_PORT, Job
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hung-job")]
 
@@ -25,6 +26,38 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hung-job")]
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(p) for p in handle.read().split()]
+
+
+def _address(text: str) -> tuple[str, int]:
+    """An address of /proc/net/tcp or tcp6 (32-bit words in host order), IPv4-mapped ones as IPv4."""
+    hexaddr, port = text.split(":")
+    raw = b"".join(int(hexaddr[i : i + 8], 16).to_bytes(4, "little") for i in range(0, len(hexaddr), 8))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return str(address), int(port, 16)
+
+
+def tcp_sockets(pid: int) -> set[tuple[str, int, str, int, str]]:
+    """(local address, port, remote address, port, state) of the TCP sockets in `pid`'s namespace."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as handle:
+            for line in handle.readlines()[1:]:
+                local, remote, state = line.split()[1:4]
+                named = {"0A": "LISTEN", "01": "ESTABLISHED"}.get(state, state)
+                found.add((*_address(local), *_address(remote), named))
+    return found
+
+
+def test_ranks_rendezvous_through_the_store_on_node_1(cluster: Cluster, hung_job: Job) -> None:
+    first = cluster.node(1)
+    _, rank0 = hung_job.ranks[0]
+    assert any(port == STORE_PORT and state == "LISTEN" for _, port, _, _, state in tcp_sockets(rank0.pid))
+    for rank, (node, wrapper) in hung_job.ranks.items():
+        if node is not first:
+            to_store = {(r, p) for _, _, r, p, state in tcp_sockets(wrapper.pid) if state == "ESTABLISHED"}
+            assert (first.address, STORE_PORT) in to_store, (rank, to_store)
 
 
 def test_ranks_and_agents_run_in_their_nodes_namespaces(cluster: Cluster, hung_job: Job) -> None:
