@@ -98,11 +98,14 @@ def _promql_host(host: str) -> str:
     return re.escape(host).replace("\\", "\\\\")
 
 
-def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10.0) -> list[str]:
+def prometheus_hints(
+    url: str, host: str, lookback_s: float, timeout: float = 10.0, connect_timeout: float = 3.0
+) -> list[str]:
     """GPU clock events, XID errors and IB error counters on `host` in the last `lookback_s`.
 
-    Each request waits at most `timeout` seconds and is not retried: a Prometheus that accepts the
-    connection and never answers costs one timeout, and the hint says it could not be asked."""
+    Each request waits at most `timeout` seconds (`connect_timeout` to connect) and is not retried: a
+    Prometheus that accepts the connection and never answers costs one timeout, one partitioned away
+    one connect timeout, and the hint says it could not be asked."""
     from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
     from urllib3.util.retry import Retry
 
@@ -133,7 +136,12 @@ def prometheus_hints(url: str, host: str, lookback_s: float, timeout: float = 10
     ]
     hints = []
     try:
-        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout, retry=Retry(total=0, read=False))
+        prom = PrometheusConnect(
+            url=url,
+            disable_ssl=True,
+            timeout=(min(connect_timeout, timeout), timeout),
+            retry=Retry(total=0, read=False),
+        )
         for query, describe in queries:
             for sample in prom.custom_query(query, params={"timeout": f"{max(1, int(timeout))}s"}):
                 hints.append(describe(sample.get("metric", {}), float(sample["value"][1])))
@@ -247,7 +255,12 @@ class DrilldownRunner:
         }
         hints = []
         for host in sorted(hosts):
-            hints += prometheus_hints(self.cfg.prometheus_url, str(host), self.cfg.hint_lookback_s)
+            hints += prometheus_hints(
+                self.cfg.prometheus_url,
+                str(host),
+                self.cfg.hint_lookback_s,
+                connect_timeout=self.cfg.agents.connect_timeout_s,
+            )
         if found.no_data:
             report["no_data"] = no_data_summary(found.no_data)
         if found.notes:

@@ -217,8 +217,12 @@ def _place(
     failed = [answer for answer in listings.values() if isinstance(answer, str)]
     unanswered = "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
     world = 0
+    by_agent: dict[Agent, set[int]] = {}
+    for rank, holder in found.ranks.items():
+        if holder is not None:
+            by_agent.setdefault(holder, set()).add(rank)
     for agent, answer in listings.items():
-        expected = {rank for rank, a in found.ranks.items() if a == agent}
+        expected = by_agent.get(agent, set())
         if isinstance(answer, str):
             no_data.update(dict.fromkeys(expected, answer))
             uncollected.update(expected)

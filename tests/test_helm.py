@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,11 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
+import requests
 import yaml
 
+from megatrace.alertbot.service import Service
+from tests.alertbot.conftest import config
 from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
@@ -757,3 +761,32 @@ def test_alertbot_runs_replicas_on_a_configured_database(
     assert config.store.url == url
     with pytest.raises(Exception, match=r"needs alertbot\.database\.urlKey"):
         render({"alertbot": {"replicas": 2}})
+
+
+def test_alertbot_probes_restart_only_what_a_restart_mends(
+    defaults: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Liveness and readiness are separate endpoints of the bot: a store outage fails readiness only
+    (a restart cannot bring the database back), so the kubelet takes the pod out of the Service
+    without restarting it."""
+    container = only(defaults, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    live, ready = container["livenessProbe"]["httpGet"], container["readinessProbe"]["httpGet"]
+    assert live["port"] == ready["port"] == "http" and live["path"] != ready["path"]
+    bot = Service(config(tmp_path))
+    bot.start()
+    try:
+        base = f"http://127.0.0.1:{bot.port}"
+        assert requests.get(base + live["path"], timeout=20).status_code == 200
+        assert requests.get(base + ready["path"], timeout=20).status_code == 200
+
+        def gone() -> int:
+            raise sqlite3.OperationalError("unable to open database file")
+
+        monkeypatch.setattr(bot.store, "queue_depth", gone)
+        assert requests.get(base + live["path"], timeout=20).status_code == 200
+        assert requests.get(base + ready["path"], timeout=20).json() == {
+            "status": "store unavailable",
+            "error": "OperationalError",
+        }
+    finally:
+        bot.stop()

@@ -19,6 +19,7 @@ import yaml
 from megatrace.alertbot.drilldown import DrilldownRunner, prometheus_hints, resolve_trace_dir
 from megatrace.alertbot.service import Service
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
+from tests.support.blackhole import blackholed
 from tests.support.gloo_job import run_traced_job
 from tests.support.services import free_port, prometheus_argv, running
 
@@ -251,6 +252,14 @@ def test_prometheus_that_never_answers_costs_one_timeout() -> None:
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         hints = prometheus_hints(url, "127.0.0.1", 300, timeout=1.0)
     assert hints == ["Prometheus could not be asked about 127.0.0.1: ReadTimeout"]
+
+
+@pytest.mark.timeout(60)
+def test_prometheus_partitioned_away_costs_one_connect_timeout() -> None:
+    """A Prometheus whose packets are dropped (no refusal) costs the connect timeout, not the timeout."""
+    with blackholed("127.0.0.6") as port:
+        hints = prometheus_hints(f"http://127.0.0.6:{port}", "127.0.0.1", 300, timeout=40, connect_timeout=1)
+    assert hints == ["Prometheus could not be asked about 127.0.0.1: ConnectTimeout"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ in compressed time, the rotation, and the long connection through lark-oapi's ow
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -315,3 +316,67 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
         assert feishu.select("ws_endpoint")
     finally:
         bot.stop()
+
+
+def bot_silences(am: str, episode: dict) -> list[dict]:
+    """The silences the bot made for `episode` (they carry its comment), as Alertmanager holds them."""
+    comment = f"from the Feishu card of alert {episode['id']} ({episode['alertname']})"
+    return [s for s in requests.get(f"{am}/api/v2/silences", timeout=5).json() if s["comment"] == comment]
+
+
+@pytest.mark.slow
+def test_silence_is_idempotent_and_unsilence_expires_every_silence(oncall_bot, feishu: FeishuServer) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    episode, message_id = fire(
+        bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "s"}
+    )
+    silence = {"episode": episode["id"], "action": "silence", "duration": "1h"}
+
+    first = sender.click(ALICE, silence, message_id).json()["toast"]
+    second = sender.click(BOB, silence | {"duration": "4h"}, message_id).json()["toast"]
+    assert first["type"] == "success" and second["type"] == "error"
+    assert second["content"].startswith("already silenced")
+    answers: list[dict] = []
+    clicks = [
+        threading.Thread(target=lambda: answers.append(sender.click(CAROL, silence, message_id).json()))
+        for _ in range(30)
+    ]
+    for click in clicks:
+        click.start()
+    for click in clicks:
+        click.join()
+    assert len(answers) == 30 and all(a["toast"]["type"] == "error" for a in answers)
+    assert len(bot_silences(am, episode)) == 1
+
+    # One made by an older version of the bot (two clicks made two silences then): expired too.
+    older = dict(bot_silences(am, episode)[0])
+    older.pop("id")
+    older["createdBy"] = "an older replica"
+    requests.post(f"{am}/api/v2/silences", json=older, timeout=5).raise_for_status()
+    assert len([s for s in bot_silences(am, episode) if s["status"]["state"] == "active"]) == 2
+    unsilence = sender.click(ALICE, {"episode": episode["id"], "action": "unsilence"}, message_id).json()
+    assert unsilence["toast"]["type"] == "success"
+    assert {s["status"]["state"] for s in bot_silences(am, episode)} == {"expired"}
+    again = sender.click(BOB, silence, message_id).json()["toast"]  # silencing again makes a new one
+    assert again["type"] == "success"
+    assert sorted(s["status"]["state"] for s in bot_silences(am, episode)) == ["active", "expired", "expired"]
+
+
+@pytest.mark.slow
+def test_a_card_action_acts_only_on_its_own_cards_alert(oncall_bot, feishu: FeishuServer) -> None:
+    bot, am = oncall_bot
+    sender = CallbackSender(f"http://127.0.0.1:{bot.port}/feishu/callback", VERIFY, KEY)
+    a, card_a = fire(bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "a"})
+    b, card_b = fire(bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "b"})
+    crossed = sender.click(ALICE, {"episode": b["id"], "action": "claim"}, card_a).json()["toast"]
+    assert crossed == {"type": "error", "content": f"message {card_a!r} is not a card of this alert"}
+    assert sender.click(ALICE, {"episode": b["id"], "action": "claim"}, "om_unknown").json()["toast"][
+        "type"
+    ] == ("error")
+    assert bot.store.episode(b["id"])["claimed_by"] is None and bot.store.actions_of(b["id"]) == []
+    assert (
+        sender.click(ALICE, {"episode": b["id"], "action": "claim"}, card_b).json()["toast"]["type"]
+        == "success"
+    )
+    assert bot.store.episode(a["id"])["claimed_by"] is None
