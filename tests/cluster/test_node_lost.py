@@ -56,4 +56,5 @@ def test_the_culprits_node_is_lost(lost_cluster: tuple[Cluster, AlertPath]) -> N
         )
     named = re.findall(r"Culprit\*\*: rank \*\*(\d+)\*\* on node \*\*([^*]+)\*\*", text)
     assert named and all(int(rank) in ranks and where == node.name for rank, where in named), text
-    print(f"figure: node lost: P0 names {node.name}, card {seconds:.1f}s after the node was lost")
+    culprits = sorted({int(rank) for rank, _ in named})
+    print(f"figure: node lost: P0 names rank {culprits} on {node.name}, card {seconds:.1f}s after the loss")
