@@ -16,6 +16,8 @@ import ctypes
 import dataclasses
 import itertools
 import os
+import re
+import signal
 import subprocess
 from collections.abc import Iterator
 
@@ -24,6 +26,7 @@ SUBNET = "198.18.0"
 CONTROL_ADDRESS = f"{SUBNET}.254"
 _libc = ctypes.CDLL(None, use_errno=True)
 _counter = itertools.count(1)
+_OURS = re.compile(r"mt([0-9a-f]+)x\d+-(ctl|n\d+)")
 
 
 def _setns(fd: int) -> None:
@@ -70,10 +73,39 @@ class Node:
     port: str  # the bridge port (veth end) in the control namespace
 
 
+def processes_in(namespace: str) -> list[int]:
+    """Every process whose network namespace is `namespace`."""
+    inode = namespace_inode(namespace)
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if netns_inode(int(entry)) == inode:
+                    found.append(int(entry))
+    return found
+
+
+def remove_stale() -> None:
+    """Delete the namespaces (and kill the processes in them) of test runs whose process is gone, as
+    a run killed with SIGKILL leaves them."""
+    names = os.listdir("/run/netns") if os.path.isdir("/run/netns") else []
+    for name in names:
+        match = _OURS.fullmatch(name)
+        if match is None or os.path.exists(f"/proc/{int(match.group(1), 16)}"):
+            continue
+        with contextlib.suppress(OSError):
+            for pid in processes_in(name):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.CalledProcessError):
+            ip("netns", "del", name)
+
+
 class ClusterNetwork:
     """The namespaces, bridge and veth pairs of one cluster; `close()` deletes them."""
 
     def __init__(self, nodes: int) -> None:
+        remove_stale()
         tag = f"mt{os.getpid():x}x{next(_counter)}"
         self.tag = tag
         self.control = f"{tag}-ctl"

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from megatrace.tracer.dumpfile import read_dump
-from tests.cluster.network import ClusterNetwork, Node, inside, namespace_inode, netns_inode
+from tests.cluster.network import ClusterNetwork, Node, inside, processes_in
 from tests.support.helm_chart import by_component
 from tests.support.services import wait_http
 
@@ -188,15 +188,8 @@ class Nodes:
     # -- a node as a whole ---------------------------------------------------------------------------
 
     def processes(self, node: Node) -> list[int]:
-        """Every process in the node's network namespace."""
-        inode = namespace_inode(node.namespace)
-        found = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError):
-                    if netns_inode(int(entry)) == inode:
-                        found.append(int(entry))
-        return found
+        """Every process of the node (in its network namespace)."""
+        return processes_in(node.namespace)
 
     def kill_all(self, node: Node) -> None:
         """SIGKILL every process of the node (its agent and its ranks), and reap the ones we started."""
