@@ -53,6 +53,7 @@ class Program:
             try:
                 wait_http(self.ready_url, timeout=timeout, proc=self.proc)
             except (RuntimeError, TimeoutError) as exc:
+                self.kill()
                 raise RuntimeError(
                     f"{self.name}: {exc}\n{self.log.read_text(errors='replace')[-3000:]}"
                 ) from exc
