@@ -4,13 +4,15 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter postgresql
-DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter pg_ctlcluster
+# iproute2: `ip` builds the network namespaces of the cluster tests (tests/cluster/).
+DEB_PACKAGES := prometheus prometheus-alertmanager prometheus-node-exporter postgresql iproute2
+DEB_COMMANDS := prometheus promtool prometheus-alertmanager prometheus-node-exporter pg_ctlcluster ip
 # The native tracer capture is compiled with g++ through ninja; callgrind measures it (bench).
 BUILD_PACKAGES := g++ ninja-build valgrind python3-dev
 BUILD_COMMANDS := g++ ninja valgrind
 HAVE_PYTHON_H := $(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(sysconfig.get_paths()['include'] + '/Python.h'))"
-PYTEST_ARGS ?= -n auto
+# loadgroup: the tests of one cluster (tests/cluster/, marked xdist_group) share one worker and its cluster.
+PYTEST_ARGS ?= -n auto --dist loadgroup
 
 .PHONY: test test-loaded demo lint deps debs venv clean native
 

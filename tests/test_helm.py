@@ -324,6 +324,24 @@ def test_exporter_service_monitor_keeps_the_training_job_label(objects: list[dic
     } in endpoint["relabelings"]
 
 
+@pytest.mark.parametrize("relabelings", [None, [], [{"targetLabel": "cluster", "replacement": "a"}]])
+def test_exporter_targets_carry_the_address_the_bot_dials(relabelings: list[dict[str, str]] | None) -> None:
+    values = {} if relabelings is None else {"exporter": {"serviceMonitor": {"relabelings": relabelings}}}
+    (endpoint,) = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
+    # the pod's discovered IP:port, set before the user's relabelings (which may not drop it)
+    assert endpoint["relabelings"][0] == {
+        "sourceLabels": ["__address__"],
+        "targetLabel": "agent_address",
+        "action": "replace",
+    }
+    node_name = {
+        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+        "targetLabel": "instance",
+        "action": "replace",
+    }
+    assert endpoint["relabelings"][1:] == ([node_name] if relabelings is None else relabelings)
+
+
 def scrape_jobs(objects: list[dict[str, Any]]) -> dict[str, str]:
     """Component → the `job` label its ServiceMonitor gives the scrape (from the Service label it names)."""
     jobs = {}

@@ -94,12 +94,23 @@ def prometheus_argv(config: Path, data_dir: Path, port: int) -> list[str]:
     ]
 
 
-def alertmanager_argv(config: Path, data_dir: Path, port: int) -> list[str]:
-    """Command line of a real, non-clustered Alertmanager on 127.0.0.1:`port`."""
-    return [
+def alertmanager_argv(
+    config: Path, data_dir: Path, port: int, gossip: str = "", peers: Sequence[str] = ()
+) -> list[str]:
+    """Command line of a real Alertmanager on 127.0.0.1:`port`: non-clustered, or a member of an HA
+    cluster gossiping on `gossip` (HOST:PORT) with `peers` (their gossip addresses)."""
+    argv = [
         require_binary("prometheus-alertmanager"),
         f"--config.file={config}",
         f"--storage.path={data_dir}",
         f"--web.listen-address=127.0.0.1:{port}",
-        "--cluster.listen-address=",
+        f"--cluster.listen-address={gossip}",
     ]
+    if gossip:
+        argv += [f"--cluster.peer={peer}" for peer in peers]
+        argv += [
+            "--cluster.gossip-interval=100ms",
+            "--cluster.pushpull-interval=2s",
+            "--cluster.peer-timeout=3s",
+        ]
+    return argv
