@@ -123,6 +123,8 @@ class Service:
         store outage is readiness's business: a restart cannot bring the database back)."""
         if not all(t.is_alive() for t in self._threads):
             return 503, {"status": "worker stopped"}
+        if self._store_failed():  # not asked again: callers queue on a store that is reconnecting
+            return 200, {"status": "store unavailable", "error": type(self._round_error).__name__}
         try:
             counts = self._counts()
         except Exception as exc:

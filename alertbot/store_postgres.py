@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 # Advisory lock keys (any 64-bit numbers; these spell "mtwrite" and "mtmigr").
 WRITE_LOCK = 0x6D74777269746500
 MIGRATE_LOCK = 0x6D746D6967720000
+CONNECT_TIMEOUT_S = 5
 TABLES_WITHOUT_ID = frozenset({"schema_version", "leases", "job_runs", "callbacks_seen"})
 INSERT_INTO = re.compile(r"^\s*INSERT(?: OR IGNORE)? INTO (\w+)", re.IGNORECASE)
 DDL_TYPES = (
@@ -84,12 +85,18 @@ class Connection:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        self.raw = psycopg.connect(url, autocommit=True)
+        self.raw = self._connect()
+
+    def _connect(self) -> psycopg.Connection:
+        """A new connection; one that gets no answer gives up after CONNECT_TIMEOUT_S (unless the URL
+        sets ``connect_timeout``), so a database partitioned away fails a round, not hangs it."""
+        timeout = {} if "connect_timeout" in self.url else {"connect_timeout": CONNECT_TIMEOUT_S}
+        return psycopg.connect(self.url, autocommit=True, **timeout)
 
     def _live(self) -> psycopg.Connection:
         if self.raw.closed or self.raw.broken:
             log.warning("PostgreSQL connection lost; reconnecting")
-            self.raw = psycopg.connect(self.url, autocommit=True)
+            self.raw = self._connect()
         return self.raw
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Result:

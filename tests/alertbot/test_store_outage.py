@@ -108,10 +108,12 @@ def send_burst(bot_url: str, ranks: range, answers: list[int], stop: threading.E
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("outage_s", [15, 120])
 def test_a_postgresql_outage_fails_readiness_only_and_loses_nothing(
-    tmp_path: Path, own_postgres: PostgresServer, feishu: FeishuServer, outage_s: int
+    tmp_path: Path, own_postgres: PostgresServer, feishu: FeishuServer
 ) -> None:
+    """One replica, in process; tests/cluster/test_store_outage.py runs 15 s and 120 s outages
+    against the Alertmanager pair and two replicas."""
+    outage_s = 15
     cfg = config(
         tmp_path,
         store={"url": own_postgres.database(), "lease_s": 7},
@@ -157,3 +159,29 @@ def test_a_postgresql_outage_fails_readiness_only_and_loses_nothing(
     titles = [m.body["content"]["header"]["title"]["content"] for m in feishu.messages("oc_p2")]
     ranks = sorted(int(title.rsplit(" ", 1)[-1]) for title in titles)
     assert ranks == list(range(BURST))  # every alert exactly once
+
+
+def test_liveness_does_not_queue_on_a_store_known_to_be_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While rounds fail on the store, webhook threads queue on it reconnecting: liveness must answer
+    from what the worker saw, within the kubelet's timeout, not wait its turn at the store."""
+    bot = Service(config(tmp_path))
+
+    def down() -> None:
+        raise sqlite3.OperationalError("unable to open database file")
+
+    def hanging() -> int:
+        time.sleep(60)
+        return 0
+
+    monkeypatch.setattr(bot.delivery, "deliver_due", down)
+    bot.start()
+    try:
+        wait_until(lambda: bot._round_error is not None, what="a round failed on the store")
+        monkeypatch.setattr(bot.store, "queue_depth", hanging)
+        answer = requests.get(f"http://127.0.0.1:{bot.port}/healthz", timeout=5)
+        assert (answer.status_code, answer.json()["status"]) == (200, "store unavailable")
+    finally:
+        monkeypatch.undo()
+        bot.stop()
