@@ -23,7 +23,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatrace.alertbot.store import Store
-from tests.support.feishu_callbacks import CallbackSender
+from tests.support.feishu_callbacks import CallbackSender, alert_with_card
 from tests.support.services import free_port, running
 
 VERIFY, KEY, ALICE = "verification-token-for-bench", "encrypt-key-for-bench", "ou_alice"
@@ -32,36 +32,7 @@ VERIFY, KEY, ALICE = "verification-token-for-bench", "encrypt-key-for-bench", "o
 def prepare(directory: Path, port: int) -> Path:
     """A bot configuration with request-URL callbacks, and a database holding one alert and its card."""
     store = Store(directory / "bot.db")
-    episode = store.insert_episode(
-        {
-            "fingerprint": "f1",
-            "starts_at": 1.0,
-            "alertname": "MegatraceJobHang",
-            "labels": "{}",
-            "annotations": "{}",
-            "generator_url": "",
-            "external_url": "",
-            "status": "firing",
-            "severity": "P0",
-            "level": "P0",
-            "first_seen": 1.0,
-            "last_seen": 1.0,
-        }
-    )
-    card = store.enqueue(
-        {
-            "kind": "firing",
-            "episode_id": episode,
-            "channel": "app",
-            "destination": "oc_p0",
-            "level": "P0",
-            "idem_key": "bench-card",
-            "created_at": 1.0,
-            "not_before": 1.0,
-        }
-    )
-    assert card is not None
-    store.set_outbox(card, state="sent", message_id="om_bench")
+    alert_with_card(store, "om_bench", "MegatraceJobHang")
     store.close()
     config = {
         "listen": f"127.0.0.1:{port}",

@@ -20,7 +20,7 @@ from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.service import Service
 from tests.alertbot.conftest import TOKEN, config, wait_until
 from tests.alertbot.test_service import alertmanager_for, post_to_alertmanager  # noqa: F401
-from tests.support.feishu_callbacks import CallbackSender, card_action_event
+from tests.support.feishu_callbacks import CallbackSender, alert_with_card, card_action_event
 from tests.support.feishu_server import FeishuServer
 from tests.support.services import free_port
 
@@ -268,37 +268,7 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
     bot = Service(cfg)
     bot.start()
     try:
-        bot.store.insert_episode(
-            {
-                "fingerprint": "f1",
-                "starts_at": 1.0,
-                "alertname": "MegatraceRankHang",
-                "labels": "{}",
-                "annotations": "{}",
-                "generator_url": "",
-                "external_url": "",
-                "status": "firing",
-                "severity": "P0",
-                "level": "P0",
-                "first_seen": 1.0,
-                "last_seen": 1.0,
-            }
-        )
-        with bot.store.transaction():  # its card, as sent: an action names the card it came from
-            card = bot.store.enqueue(
-                {
-                    "kind": "firing",
-                    "episode_id": 1,
-                    "channel": "app",
-                    "destination": "oc_p0",
-                    "level": "P0",
-                    "idem_key": "card-of-1",
-                    "created_at": 1.0,
-                    "not_before": 1.0,
-                }
-            )
-            assert card is not None
-            bot.store.set_outbox(card, state="sent", message_id="om_1")
+        assert alert_with_card(bot.store, "om_1") == 1
         assert ws.connected.wait(20), feishu.summary()
         answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"))
         assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}

@@ -32,6 +32,8 @@ from Crypto.Cipher import AES
 from lark_oapi.ws.pb.pbbp2_pb2 import Frame
 from websockets.sync.server import ServerConnection, serve
 
+from megatrace.alertbot.store import Store
+
 
 def encrypt(encrypt_key: str, plain: dict[str, Any]) -> str:
     key = hashlib.sha256(encrypt_key.encode()).digest()
@@ -192,3 +194,40 @@ class LongConnectionServer:
 
     def stop(self) -> None:
         self._server.shutdown()
+
+
+def alert_with_card(store: Store, message_id: str, alertname: str = "MegatraceRankHang") -> int:
+    """An alert episode and its card, recorded as sent as message `message_id` (a card action names
+    the card it came from); returns the episode's id. For tests that click without a real send."""
+    with store.transaction():
+        episode = store.insert_episode(
+            {
+                "fingerprint": f"f-{message_id}",
+                "starts_at": 1.0,
+                "alertname": alertname,
+                "labels": "{}",
+                "annotations": "{}",
+                "generator_url": "",
+                "external_url": "",
+                "status": "firing",
+                "severity": "P0",
+                "level": "P0",
+                "first_seen": 1.0,
+                "last_seen": 1.0,
+            }
+        )
+        card = store.enqueue(
+            {
+                "kind": "firing",
+                "episode_id": episode,
+                "channel": "app",
+                "destination": "oc_p0",
+                "level": "P0",
+                "idem_key": f"card-{message_id}",
+                "created_at": 1.0,
+                "not_before": 1.0,
+            }
+        )
+        assert card is not None
+        store.set_outbox(card, state="sent", message_id=message_id)
+    return episode
