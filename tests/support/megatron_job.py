@@ -499,7 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", type=int, default=8, help="compute units per layer and microbatch")
     p.add_argument("--compute", choices=("cpu", "timed"), default="cpu", help="what a compute unit is")
     p.add_argument("--unit-ms", type=float, default=2.0, help="a timed compute unit's duration")
-    p.add_argument("--fault", choices=FAULTS, default="none")
+    add_run_arguments(p, FAULTS, deadline=270.0)
+    return p
+
+
+def add_run_arguments(p: argparse.ArgumentParser, faults: Sequence[str], deadline: float) -> None:
+    """The fault, output and time-limit flags every corpus job takes (this one and pipelining_job)."""
+    p.add_argument("--fault", choices=faults, default="none")
     p.add_argument("--fault-rank", type=int, default=-1)
     p.add_argument("--fault-step", type=int, default=2, help="first step of the fault")
     p.add_argument("--factor", type=float, default=0.0, help="slowdown: 0.1 is 10 %% slower")
@@ -507,10 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
     p.add_argument("--stall-wait", type=float, default=4.0, help="seconds stuck before dumps are taken")
     p.add_argument(
-        "--deadline", type=float, default=270.0, help="seconds before the job is stopped (exit 124)"
+        "--deadline", type=float, default=deadline, help="seconds before the job is stopped (exit 124)"
     )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

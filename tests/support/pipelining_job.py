@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.megatron_job import dump_flight_recorder, fr_dumper, launch
+from tests.support.megatron_job import add_run_arguments, dump_flight_recorder, fr_dumper, launch
 
 FAULTS = ("none", "hang-compute", "slow-compute")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv")
@@ -186,15 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=4, help="microbatches per step")
     p.add_argument("--units", type=int, default=10, help="compute units per forward or backward")
     p.add_argument("--unit-ms", type=float, default=2.0, help="a compute unit's duration")
-    p.add_argument("--fault", choices=FAULTS, default="none")
-    p.add_argument("--fault-rank", type=int, default=-1)
-    p.add_argument("--fault-step", type=int, default=2, help="first step of the fault")
-    p.add_argument("--factor", type=float, default=0.0, help="slowdown: 0.1 is 10 %% slower")
-    p.add_argument("--out", required=True, help="folder for label.json, hang marks and Flight Recorder dumps")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout (s)")
-    p.add_argument("--stall-wait", type=float, default=4.0, help="seconds stuck before dumps are taken")
-    p.add_argument("--deadline", type=float, default=180.0)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_run_arguments(p, FAULTS, deadline=180.0)
     return p
 
 
