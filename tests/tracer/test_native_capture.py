@@ -141,9 +141,12 @@ def test_device_completion_keeps_an_op_in_flight_until_its_work_completes(
             lambda: (h := read_header(writer.path)).oldest_inflight_enqueue_ns == 0 and h, what="completion"
         )
         assert work.is_completed()
-        assert int(read_ring(writer.path).records["complete_ns"][0]) >= int(record["enqueue_ns"])
+        completed_ns = int(read_ring(writer.path).records["complete_ns"][0])
+        assert completed_ns >= int(record["enqueue_ns"])
         assert (done.comm_counters[cid].completed, done.comm_counters[cid].inflight_seq) == (1, -1)
-        assert done.wait_ns_total > 0 and not is_stalled(writer.header, now_ns, stall_ns)
+        # judged just after its completion: how long the test took to get here does not matter
+        assert done.wait_ns_total > 0
+        assert not is_stalled(writer.header, completed_ns + stall_ns // 2, stall_ns)
     finally:
         native_module.detach()
         writer.close()
