@@ -35,6 +35,7 @@ demo: deps
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tests/support/typecheck.py alertbot
 
 deps: debs $(VENV)/.installed
 

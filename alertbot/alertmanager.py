@@ -3,6 +3,7 @@ missed) and silences."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ from urllib.parse import quote
 import requests
 
 from megatrace.alertbot.config import AlertmanagerConfig
+from megatrace.alertbot.kinds import EpisodeStatus
 from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_alert
 from megatrace.alertbot.store import Store
 
@@ -68,13 +70,12 @@ def reconcile(
             continue
         present.add((alert.fingerprint, alert.starts_at))
         state = raw.get("status", {}).get("state") if isinstance(raw.get("status"), dict) else None
-        if state == "active" and store.find_episode(alert.fingerprint, alert.starts_at) is None:
+        if state == "active" and store.episodes.find(alert.fingerprint, alert.starts_at) is None:
             missed.append(alert)
     gone = [
         row
-        for row in store.firing_episodes()
-        if (row["fingerprint"], row["starts_at"]) not in present
-        and now - row["last_seen"] >= cfg.resolve_grace_s
+        for row in store.episodes.firing()
+        if (row.fingerprint, row.starts_at) not in present and now - row.last_seen >= cfg.resolve_grace_s
     ]
     alerts = [
         _webhook_alert(a.status, a.labels, a.annotations, a.starts_at, None, a.generator_url, a.fingerprint)
@@ -85,20 +86,22 @@ def reconcile(
         try:
             alerts.append(
                 _webhook_alert(
-                    "resolved",
-                    json.loads(row["labels"]),
-                    json.loads(row["annotations"]),
-                    row["starts_at"],
+                    EpisodeStatus.RESOLVED,
+                    row.labels,
+                    row.annotations,
+                    row.starts_at,
                     now,
-                    row["generator_url"],
-                    row["fingerprint"],
+                    row.generator_url,
+                    row.fingerprint,
                 )
             )
             resolved += 1
         except (ValueError, OverflowError, OSError) as exc:
-            store.update_episode(row["id"], status="quarantined")
+            store.episodes.update(row.id, status=EpisodeStatus.QUARANTINED)
             if quarantine is not None:
-                quarantine("reconcile", dict(row), f"episode {row['id']} cannot be resolved: {exc}", now)
+                quarantine(
+                    "reconcile", dataclasses.asdict(row), f"episode {row.id} cannot be resolved: {exc}", now
+                )
     if alerts:
         body = {
             "version": "4",
@@ -108,7 +111,7 @@ def reconcile(
             "externalURL": cfg.url,
             "alerts": alerts,
         }
-        store.add_inbox("reconcile", json.dumps(body), now)
+        store.inbox.add("reconcile", json.dumps(body), now)
         log.info("reconciliation: %d missed firing, %d missed resolved", len(missed), resolved)
     return len(missed), resolved
 

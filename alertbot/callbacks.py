@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import email.message
 import hashlib
 import hmac
 import json
@@ -58,7 +59,7 @@ def signature(timestamp: str, nonce: str, encrypt_key: str, body: bytes) -> str:
 
 
 def verify_request(
-    cfg: CallbackConfig, headers: Mapping[str, str], body: bytes, now: float
+    cfg: CallbackConfig, headers: Mapping[str, str] | email.message.Message, body: bytes, now: float
 ) -> dict[str, Any]:
     """The decrypted callback of a request-URL POST, or CallbackRejected saying why.
 
@@ -71,7 +72,8 @@ def verify_request(
         authenticate(cfg, headers, body, now)
     plain = decrypt(cfg, body, status=400 if signed else 401)
     kind = plain.get("type")
-    header = plain.get("header") if isinstance(plain.get("header"), dict) else {}
+    found = plain.get("header")
+    header: dict[str, Any] = found if isinstance(found, dict) else {}
     token = plain.get("token") if kind == "url_verification" else header.get("token")
     if not isinstance(token, str) or not hmac.compare_digest(token, cfg.verification_token):
         raise CallbackRejected("wrong verification token")
@@ -84,7 +86,9 @@ def verify_request(
     return plain
 
 
-def authenticate(cfg: CallbackConfig, headers: Mapping[str, str], body: bytes, now: float) -> None:
+def authenticate(
+    cfg: CallbackConfig, headers: Mapping[str, str] | email.message.Message, body: bytes, now: float
+) -> None:
     """Check the signature over the raw body and the timestamp's freshness, or CallbackRejected."""
     timestamp = headers.get("X-Lark-Request-Timestamp", "")
     nonce = headers.get("X-Lark-Request-Nonce", "")

@@ -1,4 +1,5 @@
-"""Feishu interactive cards rendered from Jinja2 templates (``card_*.json.j2``).
+"""What each notification says (`CardRenderer` builds the neutral `Notification`), and the Feishu
+interactive cards made of it from Jinja2 templates (``card_*.json.j2``).
 
 A template in the configured `templates_dir` replaces the built-in one of the same name. A user
 template that fails to render or is not valid JSON is logged and the built-in one is used, so a
@@ -9,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,9 @@ from megatrace.alertbot import escape
 from megatrace.alertbot.config import LinksConfig
 from megatrace.alertbot.incident import Incident, next_step, pending_text
 from megatrace.alertbot.incident import headline as incident_headline
+from megatrace.alertbot.kinds import EpisodeStatus, NotificationKind
+from megatrace.alertbot.notification import CardContext, CardSpec, Link, Notification
+from megatrace.alertbot.store.records import Episode, Storm
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +96,11 @@ def rebase_url(url: str, base: str) -> str:
     return urlunsplit((target.scheme, target.netloc, path, parts.query, parts.fragment))
 
 
-def member_text(member: Any) -> str:
+def member_text(member: Episode) -> str:
     """Where a storm member is, from its location labels (its fingerprint when it has none)."""
-    labels = json.loads(member["labels"])
+    labels = member.labels
     keys = [k for k in ("job", "rank", "instance", "node", "gpu", "device", "port") if k in labels]
-    return " ".join(f"{k}={labels[k]}" for k in keys) or member["fingerprint"]
+    return " ".join(f"{k}={labels[k]}" for k in keys) or member.fingerprint
 
 
 class CardRenderer:
@@ -127,7 +129,11 @@ class CardRenderer:
                 log.error("template %s in templates_dir failed (%s); using the built-in one", name, exc)
         return _clean_plain_text(json.loads(self.builtin.get_template(name).render(context)))
 
-    def fit(self, name: str, make_context: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    def card(self, spec: CardSpec) -> dict[str, Any]:
+        """The Feishu card of a notification."""
+        return self.fit(spec.template, spec.context)
+
+    def fit(self, name: str, make_context: CardContext) -> dict[str, Any]:
         """Render with shrinking detail (`make_context(budget)`) until the card fits the size limit."""
         for budget in (4000, 1000, 250, 60):
             card = self.render(name, make_context(budget))
@@ -140,7 +146,7 @@ class CardRenderer:
         url = annotations.get("runbook_url", "")
         return url if url and not runbook_link(url, self.links.runbook_base_url) else ""
 
-    def _link_buttons(self, labels: dict[str, str], annotations: dict[str, str], row: Any) -> list[dict]:
+    def _links(self, labels: dict[str, str], annotations: dict[str, str], row: Episode) -> list[Link]:
         """Runbook, Grafana, Prometheus and Silence buttons; URLs too long for a card are left out."""
         candidates = [
             (
@@ -149,120 +155,144 @@ class CardRenderer:
                 runbook_link(annotations.get("runbook_url", ""), self.links.runbook_base_url),
             ),
             ("Grafana", "default", self.links.grafana_url),
-            ("Prometheus", "default", rebase_url(row["generator_url"], self.links.prometheus_url)),
+            ("Prometheus", "default", rebase_url(row.generator_url, self.links.prometheus_url)),
         ]
-        am = self.links.alertmanager_url or row["external_url"]
+        am = self.links.alertmanager_url or row.external_url
         if am:
             url = silence_url(am, labels)
             if len(url) > MAX_URL:  # fall back to the labels that say where it is
                 url = silence_url(am, {k: v for k, v in labels.items() if k in ("alertname", *WHERE_LABELS)})
             candidates.append(("Silence", "danger", url))
-        return [{"text": t, "type": k, "url": u} for t, k, u in candidates if u and len(u) <= MAX_URL]
+        return [Link(t, u, k) for t, k, u in candidates if u and len(u) <= MAX_URL]
 
-    def _members_button(self, storm: Any, count: int) -> list[dict]:
+    def _members_link(self, storm: Storm, count: int) -> list[Link]:
         """A button to the archive sheet, where every member of the storm has a row whose event
         reads ``firing in storm s<id>``; none when no sheet URL is configured."""
         url = self.links.archive_sheet_url
-        text = f"All {count} on the sheet: storm s{storm['id']}"
-        return [{"text": text, "type": "default", "url": url}] if url and len(url) <= MAX_URL else []
+        text = f"All {count} on the sheet: storm s{storm.id}"
+        return [Link(text, url)] if url and len(url) <= MAX_URL else []
 
-    def alert_card(
+    def alert(
         self,
-        row: sqlite3.Row | dict,
-        kind: str,
+        row: Episode,
+        kind: NotificationKind,
         ref: str,
         flap_hold_s: float,
         now: float,
         oncall: dict[str, Any] | None = None,
         incident: Incident | None = None,
-    ) -> dict:
+    ) -> Notification:
         """`kind`: firing, repeat, resolved, or verdict (a reply that follows a card up with its
         culprit). `oncall` (app cards of firing alerts when card actions are on): the claim and silence
         status line, the action buttons and the note form's value. `incident`: the card of a job's
         hang or slow incident, naming its culprit, what was seen and what to do first."""
-        labels = json.loads(row["labels"])
-        annotations = json.loads(row["annotations"])
-        state = {"resolved": "RESOLVED", "verdict": "VERDICT"}.get(kind, "FIRING")
+        labels = row.labels
+        annotations = row.annotations
+        state = {NotificationKind.RESOLVED: "RESOLVED", NotificationKind.VERDICT: "VERDICT"}.get(
+            kind, "FIRING"
+        )
         where = ", ".join(f"{k} {labels[k]}" for k in WHERE_LABELS if k in labels)
-        headline = annotations.get("summary") or row["alertname"]
-        ended = row["ends_at"]
+        headline = annotations.get("summary") or row.alertname
+        ended = row.ends_at
         if incident is not None:
             headline = incident_headline(incident)
             node = incident.culprit.node if incident.culprit else ""
             where = f"job {incident.job}" + (f", node {node}" if node else "")
-            ended = incident.ended if kind == "resolved" else None
+            ended = incident.ended if kind == NotificationKind.RESOLVED else None
+        links = self._links(labels, annotations, row)
 
-        def context(budget: int) -> dict[str, Any]:
+        def context(budget: int) -> dict[str, object]:
             return {
                 "kind": kind,
-                "level": row["level"],
-                "colour": "green" if kind == "resolved" else COLOURS[row["level"]],
-                "title": f"[{row['level']}] {state}: {headline}"[:budget],
-                "alertname": row["alertname"],
+                "level": row.level,
+                "colour": "green" if kind == NotificationKind.RESOLVED else COLOURS[row.level],
+                "title": f"[{row.level}] {state}: {headline}"[:budget],
+                "alertname": row.alertname,
                 "summary": annotations.get("summary", "")[:budget],
                 "description": annotations.get("description", "")[:budget],
                 "where": where[:budget] or "(no location labels)",
-                "since": self.when(row["starts_at"]),
+                "since": self.when(row.starts_at),
                 "ended": self.when(ended),
-                "duration": human_duration((ended or now) - row["starts_at"]),
-                "recurrence": row["recurrence"],
-                "recent": row["recent"],
-                "escalated": bool(row["escalated"]),
-                "flapping": bool(row["flapping"]),
+                "duration": human_duration((ended or now) - row.starts_at),
+                "recurrence": row.recurrence,
+                "recent": row.recent,
+                "escalated": bool(row.escalated),
+                "flapping": bool(row.flapping),
                 "flap_hold": human_duration(flap_hold_s),
                 "labels": [
                     (k, v[: budget // 4]) for k, v in sorted(labels.items()) if k not in HIDDEN_LABELS
                 ][: max(3, budget // 40)],
-                "links": self._link_buttons(labels, annotations, row),
+                "links": buttons(links),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
                 "oncall": oncall,
                 "incident": incident_context(incident, budget) if incident is not None else None,
             }
 
-        return self.fit("card_alert.json.j2", context)
+        facts = [("Where", where), ("Since", self.when(row.starts_at)), ("Ended", self.when(ended))]
+        facts.append(("Summary", "" if incident is not None else annotations.get("summary", "")))
+        culprit = incident_culprit(incident) if incident is not None else ""
+        return Notification(
+            kind=kind,
+            level=row.level,
+            title=f"[{row.level}] {state}: {headline}",
+            facts=tuple((name, value) for name, value in facts if value),
+            culprit=culprit,
+            links=tuple(links),
+            actions=tuple(str(b["value"]["action"]) for b in (oncall or {}).get("buttons", [])),
+            ref=ref,
+            card=CardSpec("card_alert.json.j2", context),
+        )
 
-    def storm_card(self, storm: Any, members: list[Any], window_s: float, ref: str) -> dict:
+    def storm(self, storm: Storm, members: list[Episode], window_s: float, ref: str) -> Notification:
         first = members[0]
-        annotations = json.loads(first["annotations"])
+        annotations = first.annotations
+        links = self._links({"alertname": storm.alertname}, annotations, first) + self._members_link(
+            storm, len(members)
+        )
 
-        def describe(member: Any) -> str:
-            return member_text(member) + (" (resolved)" if member["status"] == "resolved" else "")
+        def describe(member: Episode) -> str:
+            resolved = member.status == EpisodeStatus.RESOLVED
+            return member_text(member) + (" (resolved)" if resolved else "")
 
-        def context(budget: int) -> dict[str, Any]:
+        def context(budget: int) -> dict[str, object]:
             shown = members[: max(5, budget // 20)]
             return {
-                "title": f"[{storm['level']}] STORM: {len(members)} × {storm['alertname']}",
-                "colour": COLOURS[storm["level"]],
-                "alertname": storm["alertname"],
+                "title": f"[{storm.level}] STORM: {len(members)} × {storm.alertname}",
+                "colour": COLOURS[storm.level],
+                "alertname": storm.alertname,
                 "count": len(members),
                 "window": human_duration(window_s),
                 "summary": annotations.get("summary", "")[:budget],
                 "members": [describe(m)[: budget // 4] for m in shown],
                 "more": len(members) - len(shown),
-                "links": self._link_buttons({"alertname": storm["alertname"]}, annotations, first)
-                + self._members_button(storm, len(members)),
+                "links": buttons(links),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
             }
 
-        return self.fit("card_storm.json.j2", context)
+        title = f"[{storm.level}] STORM: {len(members)} × {storm.alertname}"
+        facts = (("Alerts", str(len(members))), ("Within", human_duration(window_s)))
+        spec = CardSpec("card_storm.json.j2", context)
+        return Notification(
+            NotificationKind.STORM, storm.level, title, facts, "", tuple(links), (), ref, spec
+        )
 
-    def storm_resolved_card(self, storm: Any, members: list[Any], ref: str, now: float) -> dict:
+    def storm_resolved(self, storm: Storm, members: list[Episode], ref: str, now: float) -> Notification:
         """What of a storm recovered, and what is still firing."""
-        recovered = [m for m in members if m["status"] == "resolved"]
-        firing = [m for m in members if m["status"] != "resolved"]
-        ended = max((m["ends_at"] or now for m in recovered), default=now)
-        started = min((m["starts_at"] for m in members), default=storm["opened_at"])
+        recovered = [m for m in members if m.status == EpisodeStatus.RESOLVED]
+        firing = [m for m in members if m.status != EpisodeStatus.RESOLVED]
+        ended = max((m.ends_at or now for m in recovered), default=now)
+        started = min((m.starts_at for m in members), default=storm.opened_at)
         count = f"{len(recovered)} of {len(members)}" if firing else f"{len(members)}"
         state = "RECOVERING" if firing else "RESOLVED"
 
-        def context(budget: int) -> dict[str, Any]:
+        def context(budget: int) -> dict[str, object]:
             shown = max(5, budget // 20)
             return {
-                "title": f"[{storm['level']}] STORM {state}: {count} × {storm['alertname']} resolved",
+                "title": f"[{storm.level}] STORM {state}: {count} × {storm.alertname} resolved",
                 "colour": "wathet" if firing else "green",
-                "alertname": storm["alertname"],
+                "alertname": storm.alertname,
                 "count": len(members),
                 "duration": human_duration(ended - started),
                 "since": self.when(started),
@@ -275,10 +305,28 @@ class CardRenderer:
                 "ref": ref,
             }
 
-        return self.fit("card_storm_resolved.json.j2", context)
+        title = f"[{storm.level}] STORM {state}: {count} × {storm.alertname} resolved"
+        facts = (("Recovered", str(len(recovered))), ("Still firing", str(len(firing))))
+        spec = CardSpec("card_storm_resolved.json.j2", context)
+        kind = NotificationKind.STORM_RESOLVED
+        return Notification(kind, storm.level, title, facts, "", (), (), ref, spec)
 
-    def report_card(self, summary: dict[str, Any]) -> dict:
+    def report_card(self, summary: dict[str, Any]) -> dict[str, Any]:
         return self.render("card_report.json.j2", summary)
+
+
+def buttons(links: list[Link]) -> list[dict[str, str]]:
+    """Links as the card templates show them: Feishu buttons."""
+    return [{"text": link.text, "type": link.style, "url": link.url} for link in links]
+
+
+def incident_culprit(incident: Incident) -> str:
+    """Who the incident's card names, in one line ("" while nobody is named)."""
+    culprit = incident.culprit
+    if culprit is None:
+        return ""
+    ranks = " or ".join(f"rank {r}" for r in culprit.tied) if culprit.tied else f"rank {culprit.rank}"
+    return ranks + (f" on node {culprit.node}" if culprit.node else "")
 
 
 def incident_context(incident: Incident, budget: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from datetime import datetime
 from zoneinfo import ZoneInfo
 
 from megatrace.alertbot import config as bot_config
+from megatrace.alertbot.kinds import OPEN_STATES, OutboxState
 
 
 def _date(value: str) -> str:
@@ -74,7 +75,7 @@ def run_service(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatrace.alertbot.report import build_report
+    from megatrace.alertbot.report import write_report
     from megatrace.alertbot.service import Service
 
     cfg = _load(args, args.report_config or args.config, serving=False)
@@ -85,17 +86,17 @@ def run_report(args: argparse.Namespace) -> int:
         print("megatrace alertbot report: --until must be after --since", file=sys.stderr)
         return 2
     if not args.send:  # read only: safe beside a running bot that writes the same database
-        from megatrace.alertbot.store import Store, StoreError
+        from megatrace.alertbot.store import StoreError, sqlite_store
 
         try:
-            store = Store(cfg.store.path, read_only=True)
+            store = sqlite_store(cfg.store.path, read_only=True)
         except StoreError as exc:
             print(f"megatrace alertbot report: {exc}", file=sys.stderr)
             return 1
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(args.output) if args.output else Path(cfg.report.directory) / name
         try:
-            summary = build_report(
+            summary = write_report(
                 store, since.timestamp(), until.timestamp(), path, cfg.report.top_n, cfg.report.timezone
             )
         finally:
@@ -109,14 +110,16 @@ def run_report(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + 120
 
     def undelivered() -> int:
-        rows = [service.store.outbox_row(i) for i in summary["outbox"]]
-        return sum(1 for row in rows if row["state"] in ("pending", "sending"))
+        rows = [service.store.outbox.get(i) for i in summary["outbox"]]
+        return sum(1 for row in rows if row is not None and row.state in OPEN_STATES)
 
     while undelivered() and time.monotonic() < deadline:
         service.delivery.deliver_due(only=summary["outbox"])
         time.sleep(0.2)
     left = undelivered()
-    dead = [i for i in summary["outbox"] if service.store.outbox_row(i)["state"] == "dead"]
+    dead = [
+        i for i in summary["outbox"] if (row := service.store.outbox.get(i)) and row.state == OutboxState.DEAD
+    ]
     service.store.close()
     print(
         json.dumps({"path": summary["path"], "episodes": summary["total"], "undelivered": left + len(dead)})

@@ -277,6 +277,8 @@ class AlertbotConfig:
     drilldown: DrilldownConfig = field(default_factory=DrilldownConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     oncall: OncallConfig = field(default_factory=OncallConfig)
+    # Settings of the channels that declare their own (`megatrace.alertbot.channels`), by channel name.
+    channels: dict[str, Any] = field(default_factory=dict)
 
 
 DAY_NAMES = ("sun", "mon", "tue", "wed", "thu", "fri", "sat", "sun")
@@ -385,7 +387,7 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
     if not 0 < cfg.read_timeout_s <= 3600:
         problems.append("key 'read_timeout_s': must be more than 0 and at most 3600")
     listen_address(cfg.listen)
-    level_maps = {
+    level_maps: dict[str, dict[str, Any]] = {
         "feishu.group_bots": cfg.feishu.group_bots,
         "feishu.app.chats": cfg.feishu.app.chats,
     }
@@ -430,6 +432,9 @@ def check(cfg: AlertbotConfig, source: str, serving: bool = True) -> AlertbotCon
     problems += oncall_problems(cfg)
     if problems:
         raise ConfigError(f"{source}: " + "; ".join(problems))
+    from megatrace.alertbot.channels import check_settings  # the channels read this module
+
+    cfg.channels = check_settings(cfg.channels, source)
     for secret in (
         auth.bearer_token,
         cfg.store.url,

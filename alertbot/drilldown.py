@@ -22,6 +22,7 @@ from typing import Any
 
 from megatrace.alertbot.config import DrilldownConfig
 from megatrace.alertbot.gather import Gathered, GatherError, gather
+from megatrace.alertbot.kinds import DrilldownState
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.pipeline import Pipeline
 from megatrace.analyzer.uncollected import format_ranks
@@ -230,13 +231,13 @@ class DrilldownRunner:
         self._lock = threading.Lock()
 
     def submit_pending(self) -> None:
-        for row in self.store.pending_drilldowns():
+        for row in self.store.incidents.pending_drilldowns():
             with self._lock:
-                if row["id"] in self._running:
+                if row.id in self._running:
                     continue
-                self._running.add(row["id"])
-            self.store.set_drilldown(row["id"], state="running")
-            self.executor.submit(self.run, row["id"])
+                self._running.add(row.id)
+            self.store.incidents.update_drilldown(row.id, state=DrilldownState.RUNNING)
+            self.executor.submit(self.run, row.id)
 
     def investigate(self, job: str) -> dict[str, Any]:
         work_dir = self.cfg.agents.work_dir or None
@@ -249,7 +250,7 @@ class DrilldownRunner:
             )
         report = name_suspects(report, found.placement)
         hosts = {
-            s.get("agent") or s.get("host")
+            str(s.get("agent") or s.get("host"))
             for s in report.get("suspects", [])[:2]
             if isinstance(s, dict) and (s.get("agent") or s.get("host"))
         }
@@ -269,30 +270,34 @@ class DrilldownRunner:
 
     def run(self, drilldown_id: int) -> None:
         try:
-            row = self.store.drilldown(drilldown_id)
+            row = self.store.incidents.drilldown(drilldown_id)
+            if row is None:  # purged meanwhile
+                return
             try:
-                result = self.investigate(row["job"])
+                result = self.investigate(row.job)
             except Exception as exc:  # still tell the group, so the alert is not left without an answer
                 log.exception("drill-down %s crashed", drilldown_id)
                 result = {
                     "error": f"the drill-down crashed ({type(exc).__name__}); the bot's log has the details"
                 }
             self.metrics.drilldowns.labels("error" if "error" in result else "done").inc()
-            episode = self.store.episode(row["episode_id"])
+            episode = self.store.episodes.get(row.episode_id)
             now = time.time()
             with self.store.transaction():
-                self.store.set_drilldown(
-                    drilldown_id, state="done", result=json.dumps(result), finished_at=now
+                self.store.incidents.update_drilldown(
+                    drilldown_id, state=DrilldownState.DONE, result=json.dumps(result), finished_at=now
                 )
-                if episode is not None and episode["incident_id"] is not None:
-                    self.store.set_incident(
-                        episode["incident_id"], verdict=json.dumps(result), verdict_at=now
+                if episode is not None and episode.incident_id is not None:
+                    self.store.incidents.update(
+                        episode.incident_id, verdict=json.dumps(result), verdict_at=now
                     )
-                    self.pipeline.incident_changed(episode["incident_id"], now, f"verdict@{drilldown_id}")
+                    self.pipeline.incident_changed(episode.incident_id, now, f"verdict@{drilldown_id}")
         except Exception:
             log.exception("drill-down %s failed", drilldown_id)
             self.metrics.drilldowns.labels("crashed").inc()
-            self.store.set_drilldown(drilldown_id, state="failed", finished_at=time.time())
+            self.store.incidents.update_drilldown(
+                drilldown_id, state=DrilldownState.FAILED, finished_at=time.time()
+            )
         finally:
             with self._lock:
                 self._running.discard(drilldown_id)

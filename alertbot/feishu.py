@@ -20,6 +20,8 @@ from typing import Any
 
 import requests
 
+from megatrace.alertbot.kinds import Outcome
+
 log = logging.getLogger(__name__)
 
 RETRY_CODES = frozenset({11232, 99991400})
@@ -31,7 +33,7 @@ HISTORY_PAGE = 50  # the most Feishu's message history returns per page
 
 @dataclasses.dataclass
 class SendResult:
-    outcome: str  # "sent", "retry" or "fatal"
+    outcome: Outcome
     detail: str
     retry_after: float | None = None
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -40,7 +42,7 @@ class SendResult:
 
     @property
     def ok(self) -> bool:
-        return self.outcome == "sent"
+        return self.outcome == Outcome.SENT
 
 
 def sign(secret: str, timestamp: str) -> str:
@@ -67,22 +69,23 @@ def classify(response: requests.Response) -> SendResult:
         body = {}
     code = body.get("code", body.get("StatusCode"))
     msg = str(body.get("msg", body.get("StatusMessage", "")))[:300]
-    data = body.get("data") if isinstance(body.get("data"), dict) else {}
+    found = body.get("data")
+    data: dict[str, Any] = found if isinstance(found, dict) else {}
     detail = f"HTTP {response.status_code} code {code}: {msg}"
     if response.status_code == 429 or code in RETRY_CODES:
-        return SendResult("retry", detail, _reset_after(response), data, code, body)
+        return SendResult(Outcome.RETRY, detail, _reset_after(response), data, code, body)
     if response.status_code >= 500:
-        return SendResult("retry", detail, None, data, code, body)
+        return SendResult(Outcome.RETRY, detail, None, data, code, body)
     if response.status_code == 200 and code == 0:
-        return SendResult("sent", "ok", None, data, 0, body)
-    return SendResult("fatal", detail, None, data, code, body)
+        return SendResult(Outcome.SENT, "ok", None, data, 0, body)
+    return SendResult(Outcome.FATAL, detail, None, data, code, body)
 
 
 def _request(session: requests.Session, method: str, url: str, timeout: float, **kwargs: Any) -> SendResult:
     try:
         response = session.request(method, url, timeout=timeout, **kwargs)
     except requests.RequestException as exc:
-        return SendResult("retry", f"{type(exc).__name__}: network error")
+        return SendResult(Outcome.RETRY, f"{type(exc).__name__}: network error")
     return classify(response)
 
 
@@ -100,7 +103,9 @@ def post_group_bot(
     """Send one message through a custom group bot."""
     data = json.dumps(signed_body(body, secret), ensure_ascii=False).encode()
     if len(data) > BODY_LIMIT:
-        return SendResult("fatal", f"message is {len(data)} bytes, over Feishu's {BODY_LIMIT} byte limit")
+        return SendResult(
+            Outcome.FATAL, f"message is {len(data)} bytes, over Feishu's {BODY_LIMIT} byte limit"
+        )
     return _request(
         session, "POST", webhook, timeout, data=data, headers={"Content-Type": "application/json"}
     )
@@ -135,7 +140,7 @@ class FeishuApp:
                 return "", result
             token = str(result.body.get("tenant_access_token", ""))
             if not token:
-                return "", SendResult("fatal", "token reply without tenant_access_token")
+                return "", SendResult(Outcome.FATAL, "token reply without tenant_access_token")
             expire = result.body.get("expire", 7200)
             self._token = token
             self._expires = time.monotonic() + (float(expire) if isinstance(expire, int | float) else 7200.0)
@@ -219,5 +224,5 @@ class FeishuApp:
             if not result.data.get("has_more"):
                 return dataclasses.replace(result, data={**result.data, "items": items})
             if not token or token == params.get("page_token"):
-                return SendResult("retry", "chat history says has_more but gives no new page_token")
+                return SendResult(Outcome.RETRY, "chat history says has_more but gives no new page_token")
             params["page_token"] = str(token)

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from megatrace.alertbot.kinds import IncidentKind
 from megatrace.alertbot.store import Store
 
 UNKNOWN = ("", "unknown")
@@ -53,7 +54,7 @@ class Incident:
 
     job: str
     level: str
-    kind: str  # "hang" or "slow"
+    kind: IncidentKind
     closed: bool
     ended: float | None
     culprit: Culprit | None
@@ -145,33 +146,32 @@ def load(
     store: Store, incident_id: int, placement: Callable[[dict[str, Any]], str] | None = None
 ) -> Incident | None:
     """The incident as its card shows it; `placement(suspect) -> str` describes where a suspect runs."""
-    row = store.incident(incident_id)
+    row = store.incidents.get(incident_id)
     if row is None:
         return None
-    members = store.incident_members(incident_id)
-    labels = [json.loads(m["labels"]) for m in members]
-    report = json.loads(row["verdict"]) if row["verdict"] else {}
+    members = store.incidents.members(incident_id)
+    labels = [m.labels for m in members]
+    report = json.loads(row.verdict) if row.verdict else {}
     suspects = [s for s in report.get("suspects", []) if isinstance(s, dict)]
     where = placement(suspects[0]) if placement and suspects else ""
-    culprit = culprit_of(zip((m["alertname"] for m in members), labels, strict=True), report, where)
+    culprit = culprit_of(zip((m.alertname for m in members), labels, strict=True), report, where)
     ranks = {int(lab["rank"]) for lab in labels if str(lab.get("rank", "")).isdigit()}
     named = set(culprit.tied or (culprit.rank,)) if culprit else set()
     others = sorted(r for r in ranks if str(r) not in named)
-    slow = all(m["alertname"] in SLOW_ALERTS for m in members)
-    ends = [m["ends_at"] for m in members if m["ends_at"] is not None]
-    closed = row["closed_at"] is not None
-    return Incident(
-        row["job"], row["level"], "slow" if slow else "hang", closed, max(ends) if closed and ends else None,
-        culprit, report, others,
-    )  # fmt: skip
+    slow = all(m.alertname in SLOW_ALERTS for m in members)
+    ends = [m.ends_at for m in members if m.ends_at is not None]
+    closed = row.closed_at is not None
+    kind = IncidentKind.SLOW if slow else IncidentKind.HANG
+    ended = max(ends) if closed and ends else None
+    return Incident(row.job, row.level, kind, closed, ended, culprit, report, others)
 
 
 def headline(incident: Incident) -> str:
     """Who and what, for the card's title: "rank 3 hung on gpu-7 — job llm"."""
-    verb = "is slow" if incident.kind == "slow" else "hung"
+    verb = "is slow" if incident.kind == IncidentKind.SLOW else "hung"
     culprit = incident.culprit
     if culprit is None:
-        what = "has a slow rank" if incident.kind == "slow" else "hangs"
+        what = "has a slow rank" if incident.kind == IncidentKind.SLOW else "hangs"
         return f"job {incident.job} {what} — culprit not known yet"
     where = f" on {culprit.node}" if culprit.node else ""
     return f"{culprit.named} {verb}{where} — job {incident.job}"
@@ -181,7 +181,7 @@ def next_step(incident: Incident) -> str:
     """What the person on call does first."""
     culprit, job = incident.culprit, incident.job
     node = culprit.node if culprit and culprit.node else ""
-    if incident.kind == "slow":
+    if incident.kind == IncidentKind.SLOW:
         target = f"node {node}" if node else "the slow rank's node"
         return (
             f"Check {target} (GPU clocks, XID errors, IB links); if its hardware is at fault, drain it "

@@ -36,6 +36,10 @@ class GuardedClient(lark_oapi.ws.Client):
     """`lark_oapi.ws.Client` with the peer's settings bounded, message parts checked, and reconnection
     that never gives up."""
 
+    _reconnect_interval: float
+    _reconnect_nonce: float
+    _ping_interval: float
+
     def _configure(self, conf: Any) -> None:
         self._reconnect_count = -1  # for ever: a bot that stops listening misses every card action
         self._reconnect_interval = bounded(

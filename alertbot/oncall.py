@@ -1,5 +1,6 @@
-"""Who is on call, and escalation in time: the weekly rotation with overrides, whom a page phones,
-the next person phoned when a page stays unclaimed, and unclaimed alerts raised a level.
+"""Who is on call, and escalation in time: the weekly rotation with overrides, whom a page phones
+(`page_after_sent`, delivery's after-send hook), the next person phoned when a page stays unclaimed,
+and unclaimed alerts raised a level.
 
 Every function takes the time it works at (`now`), so tests compress hours into calls.
 """
@@ -9,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any
 
+from megatrace.alertbot.channels import CHANNELS
 from megatrace.alertbot.config import AlertbotConfig, OncallConfig, Person, parse_time
+from megatrace.alertbot.kinds import PAGE_KINDS, NotificationKind
 from megatrace.alertbot.pipeline import Pipeline, episode_ref
 from megatrace.alertbot.store import Store
+from megatrace.alertbot.store.records import Episode, NewNotification, Outbox
 
 log = logging.getLogger(__name__)
 SYSTEM = "megatrace"  # the actor of actions the bot takes by itself
@@ -58,6 +61,50 @@ def first_call(cfg: AlertbotConfig, level: str, now: float) -> list[str]:
     return [order[0].open_id]
 
 
+def call(
+    level: str,
+    idem_key: str,
+    message_id: str,
+    users: list[str],
+    now: float,
+    due: float,
+    episode_id: int | None,
+    parent_id: int | None = None,
+    storm_id: int | None = None,
+) -> NewNotification:
+    """The urgent call about app message `message_id` to `users`, through the channel that places calls."""
+    channel = next(name for name, channel in CHANNELS.items() if channel.places_calls)
+    return NewNotification(
+        kind=NotificationKind.URGENT,
+        channel=channel,
+        destination="oncall",
+        level=level,
+        idem_key=idem_key,
+        created_at=now,
+        not_before=due,
+        payload=json.dumps({"message_id": message_id, "users": users}),
+        episode_id=episode_id,
+        parent_id=parent_id,
+        storm_id=storm_id,
+    )
+
+
+def page_after_sent(store: Store, cfg: AlertbotConfig, row: Outbox, message_id: str, now: float) -> None:
+    """Delivery's after-send hook: a page sent through a channel that `pages` gets the on-call people
+    phoned about it (escalation step 0, recorded before the call is queued). P3 is never phoned."""
+    if not CHANNELS[row.channel].pages or row.kind not in PAGE_KINDS or not message_id:
+        return
+    users = first_call(cfg, row.level, now)
+    if row.level not in cfg.feishu.app.phone_levels or not users:
+        return
+    with store.transaction():
+        episode = row.episode_id
+        if episode is not None and not store.coordination.add_escalation(episode, 0, message_id, users, now):
+            return
+        key = f"{row.idem_key}-urgent"
+        store.outbox.enqueue(call(row.level, key, message_id, users, now, now, episode, row.id, row.storm_id))
+
+
 @dataclasses.dataclass
 class Escalator:
     """The escalation job (run by one replica of the cluster each tick)."""
@@ -70,57 +117,49 @@ class Escalator:
         """Raise and re-page unclaimed firing alerts that waited long enough; returns steps taken."""
         policies = self.cfg.oncall.escalation
         taken = 0
-        for episode in self.store.firing_unclaimed(list(policies)):
-            policy = policies[episode["level"]]
+        for episode in self.store.episodes.firing_unclaimed(list(policies)):
+            policy = policies[episode.level]
             with self.store.transaction():
-                if policy.raise_after_s and now - episode["starts_at"] >= policy.raise_after_s:
+                if policy.raise_after_s and now - episode.starts_at >= policy.raise_after_s:
                     taken += self.raise_level(episode, policy.raise_to, now)
                 elif policy.next_after_s:
                     taken += self.page_next(episode, policy.next_after_s, now)
         return taken
 
-    def raise_level(self, episode: Any, level: str, now: float) -> int:
-        if episode["level"] == level:
+    def raise_level(self, episode: Episode, level: str, now: float) -> int:
+        if episode.level == level:
             return 0
-        self.store.update_episode(episode["id"], level=level, escalated=1)
-        detail = f"unclaimed {episode['level']} raised to {level}"
-        self.store.add_action(now, SYSTEM, SYSTEM, "raise", episode["id"], detail, "escalation")
-        self.pipeline.archive(dict(episode) | {"level": level}, f"raised to {level} (unclaimed)", now)
-        self.pipeline.enqueue(
-            "firing", f"{episode_ref(episode)}-{level}", level, now, DUE_AT_ONCE, episode_id=episode["id"]
-        )
-        log.warning("alert %s (%s): %s", episode["id"], episode["alertname"], detail)
+        self.store.episodes.update(episode.id, level=level, escalated=True)
+        detail = f"unclaimed {episode.level} raised to {level}"
+        self.store.coordination.add_action(now, SYSTEM, SYSTEM, "raise", episode.id, detail, "escalation")
+        raised = dataclasses.replace(episode, level=level, escalated=True)
+        self.pipeline.archive(raised, f"raised to {level} (unclaimed)", now)
+        ref = f"{episode_ref(episode)}-{level}"
+        self.pipeline.enqueue(NotificationKind.FIRING, ref, level, now, DUE_AT_ONCE, episode_id=episode.id)
+        log.warning("alert %s (%s): %s", episode.id, episode.alertname, detail)
         return 1
 
-    def page_next(self, episode: Any, after_s: float, now: float) -> int:
+    def page_next(self, episode: Episode, after_s: float, now: float) -> int:
         """Phone the next person on the roster when the last call is `after_s` old and unclaimed."""
-        steps = self.store.escalations_of(episode["id"])
-        if not steps or now - steps[-1]["at"] < after_s:
+        steps = self.store.coordination.escalations_of(episode.id)
+        if not steps or now - steps[-1].at < after_s:
             return 0
-        order = rotation(self.cfg.oncall, steps[0]["at"])
-        step = steps[-1]["step"] + 1
+        order = rotation(self.cfg.oncall, steps[0].at)
+        step = steps[-1].step + 1
         if step >= len(order):
             return 0
-        message_id = steps[-1]["message_id"]
+        message_id = steps[-1].message_id
         users = [order[step].open_id]
-        if not self.store.add_escalation(episode["id"], step, message_id, users, now):
+        if not self.store.coordination.add_escalation(episode.id, step, message_id, users, now):
             return 0
         self.enqueue_call(episode, step, message_id, users, now)
         detail = f"unclaimed after {after_s:.0f}s: phoning {order[step].name}"
-        self.store.add_action(now, SYSTEM, SYSTEM, "escalate", episode["id"], detail, "escalation")
+        self.store.coordination.add_action(now, SYSTEM, SYSTEM, "escalate", episode.id, detail, "escalation")
         return 1
 
-    def enqueue_call(self, episode: Any, step: int, message_id: str, users: list[str], now: float) -> None:
-        self.store.enqueue(
-            {
-                "kind": "urgent",
-                "episode_id": episode["id"],
-                "channel": "urgent",
-                "destination": "oncall",
-                "level": episode["level"],
-                "idem_key": f"mt-call-{episode['id']}-{step}",
-                "created_at": now,
-                "not_before": DUE_AT_ONCE,
-                "payload": json.dumps({"message_id": message_id, "users": users}),
-            }
-        )
+    def enqueue_call(
+        self, episode: Episode, step: int, message_id: str, users: list[str], now: float
+    ) -> None:
+        key = f"mt-call-{episode.id}-{step}"
+        new = call(episode.level, key, message_id, users, now, DUE_AT_ONCE, episode.id)
+        self.store.outbox.enqueue(new)

@@ -12,10 +12,12 @@ import re
 from datetime import UTC, datetime
 from typing import Any
 
+from megatrace.alertbot.kinds import EpisodeStatus
+
 _RFC3339 = re.compile(
     r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?(Z|z|[+-]\d{2}:\d{2})$"
 )
-STATUSES = ("firing", "resolved")
+STATUSES = tuple(EpisodeStatus)[:2]  # firing, resolved: what Alertmanager sends
 
 
 class PayloadError(ValueError):
@@ -109,7 +111,7 @@ def parse_alert(raw: Any, where: str) -> Alert:
     if starts_at is None:
         raise PayloadError(f"{where}.startsAt: the zero time is not a start time")
     ends_at = parse_time(raw.get("endsAt", "0001-01-01T00:00:00Z"), f"{where}.endsAt")
-    if status == "resolved" and ends_at is None:
+    if status == EpisodeStatus.RESOLVED and ends_at is None:
         raise PayloadError(f"{where}.endsAt: a resolved alert needs an end time")
     generator = raw.get("generatorURL", "")
     if not isinstance(generator, str):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import logging
 from typing import Any
 
@@ -18,9 +17,11 @@ from megatrace.alertbot.channels import routes
 from megatrace.alertbot.config import AlertbotConfig, drilldown_enabled
 from megatrace.alertbot.grading import PolicyRule, grade
 from megatrace.alertbot.incident import from_labels
+from megatrace.alertbot.kinds import EpisodeStatus, NotificationKind, OutboxState
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.payload import Alert, PayloadError, format_time, parse_webhook
 from megatrace.alertbot.store import Store
+from megatrace.alertbot.store.records import Episode, IncidentRecord, NewEpisode, NewNotification
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,10 @@ ARCHIVE_COLUMNS = (
 )
 
 
-def episode_ref(episode: Any) -> str:
+def episode_ref(episode: Episode) -> str:
     """What names an episode's notifications across databases (so the card's ref, and Feishu's
     `uuid`, never repeat for another alert after the bot's state was reset): its identity."""
-    return f"{episode['fingerprint']}@{episode['starts_at']}"
+    return f"{episode.fingerprint}@{episode.starts_at}"
 
 
 def storm_ref(storm_id: int, opened_at: float) -> str:
@@ -65,226 +66,259 @@ class Pipeline:
     metrics: BotMetrics
 
     def enqueue(
-        self, kind: str, ref: str, level: str, now: float, not_before: float | None = None, **link: Any
+        self,
+        kind: NotificationKind,
+        ref: str,
+        level: str,
+        now: float,
+        not_before: float | None = None,
+        episode_id: int | None = None,
+        storm_id: int | None = None,
     ) -> int:
         """Queue notification `kind` for every destination of `level`; returns how many were queued."""
         queued = 0
         for channel, destination in routes(self.cfg, level):
-            row = {
-                "kind": kind,
-                "channel": channel,
-                "destination": destination,
-                "level": level,
-                "idem_key": idempotency_key(kind, ref, channel, destination),
-                "created_at": now,
-                "not_before": now if not_before is None else not_before,
-                **link,
-            }
-            queued += self.store.enqueue(row) is not None
+            new = NewNotification(
+                kind=kind,
+                channel=channel,
+                destination=destination,
+                level=level,
+                idem_key=idempotency_key(kind, ref, channel, destination),
+                created_at=now,
+                not_before=now if not_before is None else not_before,
+                episode_id=episode_id,
+                storm_id=storm_id,
+            )
+            queued += self.store.outbox.enqueue(new) is not None
         return queued
 
-    def archive(self, episode: dict[str, Any], event: str, now: float) -> None:
+    def archive(self, episode: Episode, event: str, now: float) -> None:
         if not self.cfg.feishu.sheet.spreadsheet_token:
             return
-        labels = json.loads(episode["labels"])
-        annotations = json.loads(episode["annotations"])
+        labels, annotations = episode.labels, episode.annotations
         row = [
             format_time(now).replace("T", " ")[:19],
-            episode["level"],
-            episode["alertname"],
+            episode.level,
+            episode.alertname,
             event,
             labels.get("job", ""),
             labels.get("instance", labels.get("node", "")),
             annotations.get("summary", ""),
-            format_time(episode["starts_at"]),
-            format_time(episode["ends_at"]) if episode["ends_at"] else "",
-            episode["recurrence"],
-            episode["fingerprint"],
-            episode["id"],
+            format_time(episode.starts_at),
+            format_time(episode.ends_at) if episode.ends_at else "",
+            episode.recurrence,
+            episode.fingerprint,
+            episode.id,
         ]
-        self.store.add_archive(episode["id"], event, row, now)
+        self.store.outbox.add_archive(episode.id, event, row, now)
 
     # -- one alert ------------------------------------------------------------------------------
 
-    def _new_episode(self, alert: Alert, external_url: str, now: float) -> dict[str, Any]:
+    def _new_episode(self, alert: Alert, external_url: str, now: float) -> Episode:
         d, g = self.cfg.dedupe, self.cfg.grading
-        recurrence = self.store.count_all_episodes(alert.fingerprint)
-        recent = self.store.count_episodes(alert.fingerprint, now - g.escalate_window_s) + 1
+        recurrence = self.store.episodes.count_all(alert.fingerprint)
+        recent = self.store.episodes.count_since(alert.fingerprint, now - g.escalate_window_s) + 1
         graded = grade(alert.labels, self.policy, g, recent)
-        flapping = self.store.count_episodes(alert.fingerprint, now - d.flap_window_s) + 1 >= d.flap_threshold
-        fields = {
-            "fingerprint": alert.fingerprint,
-            "starts_at": alert.starts_at,
-            "alertname": alert.name,
-            "labels": json.dumps(alert.labels, sort_keys=True),
-            "annotations": json.dumps(alert.annotations, sort_keys=True),
-            "generator_url": alert.generator_url,
-            "external_url": external_url,
-            "status": alert.status,
-            "severity": alert.labels.get("severity", ""),
-            "level": graded.level,
-            "escalated": int(graded.escalated),
-            "recurrence": recurrence,
-            "recent": recent,
-            "flapping": int(flapping),
-            "first_seen": now,
-            "last_seen": now,
-            "ends_at": alert.ends_at if alert.status == "resolved" else None,
-        }
-        fields["id"] = self.store.insert_episode(fields)
+        flapping = (
+            self.store.episodes.count_since(alert.fingerprint, now - d.flap_window_s) + 1 >= d.flap_threshold
+        )
+        status = EpisodeStatus(alert.status)
+        episode = self.store.episodes.insert(
+            NewEpisode(
+                fingerprint=alert.fingerprint,
+                starts_at=alert.starts_at,
+                alertname=alert.name,
+                labels=alert.labels,
+                annotations=alert.annotations,
+                generator_url=alert.generator_url,
+                external_url=external_url,
+                status=status,
+                severity=alert.labels.get("severity", ""),
+                level=graded.level,
+                escalated=graded.escalated,
+                recurrence=recurrence,
+                recent=recent,
+                flapping=flapping,
+                first_seen=now,
+                last_seen=now,
+                ends_at=alert.ends_at if status == EpisodeStatus.RESOLVED else None,
+            )
+        )
         self.metrics.episodes.labels(graded.level).inc()
-        return fields
+        return episode
 
-    def _storm_for(self, episode: dict[str, Any], now: float) -> int | None:
+    def _storm_for(self, episode: Episode, now: float) -> int | None:
         """The storm this new firing episode joins, or None when it is notified on its own."""
         d = self.cfg.dedupe
-        if d.storm_threshold <= 0 or not routes(self.cfg, episode["level"]):
+        if d.storm_threshold <= 0 or not routes(self.cfg, episode.level):
             return None
-        others = self.store.count_new_of_kind(episode["alertname"], episode["level"], now - d.storm_window_s)
+        others = self.store.episodes.count_new_of_kind(
+            episode.alertname, episode.level, now - d.storm_window_s
+        )
         if others - 1 < d.storm_threshold:
             return None
-        storm = self.store.open_storm(episode["alertname"], episode["level"])
+        storm = self.store.episodes.open_storm(episode.alertname, episode.level)
         if storm is not None:
-            return int(storm["id"])
-        storm_id = self.store.create_storm(episode["alertname"], episode["level"], now)
+            return storm.id
+        storm_id = self.store.episodes.create_storm(episode.alertname, episode.level, now)
         self.enqueue(
-            "storm", storm_ref(storm_id, now), episode["level"], now, now + d.storm_hold_s, storm_id=storm_id
+            NotificationKind.STORM,
+            storm_ref(storm_id, now),
+            episode.level,
+            now,
+            now + d.storm_hold_s,
+            storm_id=storm_id,
         )
         self.metrics.storms.inc()
-        log.warning(
-            "alert storm: %s at %s, collapsing into one summary", episode["alertname"], episode["level"]
-        )
+        log.warning("alert storm: %s at %s, collapsing into one summary", episode.alertname, episode.level)
         return storm_id
 
     def _firing(self, alert: Alert, external_url: str, now: float) -> None:
-        existing = self.store.find_episode(alert.fingerprint, alert.starts_at)
+        existing = self.store.episodes.find(alert.fingerprint, alert.starts_at)
         if existing is not None:
-            self.store.update_episode(existing["id"], last_seen=now, duplicates=existing["duplicates"] + 1)
+            self.store.episodes.update(existing.id, last_seen=now, duplicates=existing.duplicates + 1)
             self.metrics.deduplicated.inc()
-            last = existing["last_notified"]
+            last = existing.last_notified
             if (
-                existing["status"] == "firing"
+                existing.status == EpisodeStatus.FIRING
                 and last is not None
-                and existing["storm_id"] is None
+                and existing.storm_id is None
                 and now - last >= self.cfg.dedupe.repeat_interval_s
             ):
-                self.store.update_episode(existing["id"], last_notified=now)
+                self.store.episodes.update(existing.id, last_notified=now)
                 self.enqueue(
-                    "repeat",
-                    f"{existing['id']}@{int(now)}",
-                    existing["level"],
+                    NotificationKind.REPEAT,
+                    f"{existing.id}@{int(now)}",
+                    existing.level,
                     now,
-                    episode_id=existing["id"],
+                    episode_id=existing.id,
                 )
             return
         episode = self._new_episode(alert, external_url, now)
         requested = self._request_drilldown(episode, now)
         incident = self._incident_for(episode, now)
-        if incident is not None and incident["lead_episode_id"] != episode["id"]:
+        if incident is not None and incident.lead_episode_id != episode.id:
             self.archive(episode, "firing", now)
             return  # its incident's card is already out or queued
         storm_id = self._storm_for(episode, now)
         self.archive(episode, "firing" if storm_id is None else f"firing in storm s{storm_id}", now)
         if storm_id is not None:
-            self.store.update_episode(episode["id"], storm_id=storm_id, last_notified=now)
+            self.store.episodes.update(episode.id, storm_id=storm_id, last_notified=now)
             return
-        hold = self.cfg.dedupe.flap_hold_s if episode["flapping"] else 0.0
+        hold = self.cfg.dedupe.flap_hold_s if episode.flapping else 0.0
         if incident is not None and requested and from_labels(alert.name, alert.labels) is None:
             hold = max(hold, self.cfg.drilldown.verdict_wait_s)  # the verdict may make it into the card
         if self.enqueue(
-            "firing", episode_ref(episode), episode["level"], now, now + hold, episode_id=episode["id"]
+            NotificationKind.FIRING,
+            episode_ref(episode),
+            episode.level,
+            now,
+            now + hold,
+            episode_id=episode.id,
         ):
-            self.store.update_episode(episode["id"], last_notified=now)
+            self.store.episodes.update(episode.id, last_notified=now)
 
     def _resolved(self, alert: Alert, external_url: str, now: float) -> None:
-        existing = self.store.find_episode(alert.fingerprint, alert.starts_at)
+        existing = self.store.episodes.find(alert.fingerprint, alert.starts_at)
         if existing is None:  # the firing webhook was lost or arrives later: report the whole episode
             episode = self._new_episode(alert, external_url, now)
             self.archive(episode, "resolved", now)
-            if not episode["flapping"]:
+            if not episode.flapping:
                 self.enqueue(
-                    "resolved", episode_ref(episode), episode["level"], now, episode_id=episode["id"]
+                    NotificationKind.RESOLVED, episode_ref(episode), episode.level, now, episode_id=episode.id
                 )
             return
-        if existing["status"] == "resolved":
-            self.store.update_episode(existing["id"], last_seen=now, duplicates=existing["duplicates"] + 1)
+        if existing.status == EpisodeStatus.RESOLVED:
+            self.store.episodes.update(existing.id, last_seen=now, duplicates=existing.duplicates + 1)
             self.metrics.deduplicated.inc()
             return
-        self.store.update_episode(existing["id"], status="resolved", ends_at=alert.ends_at, last_seen=now)
-        episode = dict(existing) | {"status": "resolved", "ends_at": alert.ends_at}
+        self.store.episodes.update(
+            existing.id, status=EpisodeStatus.RESOLVED, ends_at=alert.ends_at, last_seen=now
+        )
+        episode = dataclasses.replace(existing, status=EpisodeStatus.RESOLVED, ends_at=alert.ends_at)
         self.archive(episode, "resolved", now)
         held = []
-        if existing["flapping"]:  # a held-back flapping alert that resolved in time is never sent
-            pending = self.store.outbox_for(episode_id=existing["id"], kind="firing")
-            held = [row for row in pending if row["state"] == "pending"]
+        if existing.flapping:  # a held-back flapping alert that resolved in time is never sent
+            pending = self.store.outbox.find(episode_id=existing.id, kind=NotificationKind.FIRING)
+            held = [row for row in pending if row.state == OutboxState.PENDING]
         for row in held:
-            self.store.set_outbox(row["id"], state="suppressed", last_error="resolved before it was sent")
+            self.store.outbox.update(
+                row.id, state=OutboxState.SUPPRESSED, last_error="resolved before it was sent"
+            )
             self.metrics.suppressed.inc()
-        if existing["incident_id"] is not None:  # whether its card went out alone or in a storm
-            self._incident_member_resolved(existing["incident_id"], now)
-        if existing["storm_id"] is not None:
-            self._storm_member_resolved(existing["storm_id"], existing["level"], now)
-        elif existing["incident_id"] is None and existing["last_notified"] is not None and not held:
-            self.enqueue("resolved", episode_ref(existing), existing["level"], now, episode_id=existing["id"])
+        if existing.incident_id is not None:  # whether its card went out alone or in a storm
+            self._incident_member_resolved(existing.incident_id, now)
+        if existing.storm_id is not None:
+            self._storm_member_resolved(existing.storm_id, existing.level, now)
+        elif existing.incident_id is None and existing.last_notified is not None and not held:
+            kind = NotificationKind.RESOLVED
+            self.enqueue(kind, episode_ref(existing), existing.level, now, episode_id=existing.id)
 
     def _storm_member_resolved(self, storm_id: int, level: str, now: float) -> None:
         """A storm gets one resolved summary, queued when its first member resolves and sent
         `storm_resolve_hold_s` later, so members that recover together share it (it lists what
         recovered and what still fires). If it went out while some still fired, the last member to
         resolve queues a final "all recovered" summary. The refs make both idempotent."""
-        summaries = self.store.outbox_for(storm_id=storm_id, kind="storm-resolved")
+        summaries = self.store.outbox.find(storm_id=storm_id, kind=NotificationKind.STORM_RESOLVED)
+        storm = self.store.episodes.storm(storm_id)
+        if storm is None:
+            return
         if not summaries:
-            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-resolved"
-        elif any(row["payload"] is not None for row in summaries) and not any(
-            member["status"] == "firing" for member in self.store.storm_members(storm_id)
+            ref = f"{storm_ref(storm_id, storm.opened_at)}-resolved"
+        elif any(row.payload is not None for row in summaries) and not any(
+            member.status == EpisodeStatus.FIRING for member in self.store.episodes.storm_members(storm_id)
         ):
-            ref = f"{storm_ref(storm_id, self.store.storm(storm_id)['opened_at'])}-all-resolved"
+            ref = f"{storm_ref(storm_id, storm.opened_at)}-all-resolved"
         else:
             return
         not_before = now + self.cfg.dedupe.storm_resolve_hold_s
-        opened = [row["not_before"] for row in self.store.outbox_for(storm_id=storm_id, kind="storm")]
-        self.enqueue("storm-resolved", ref, level, now, max([not_before, *opened]), storm_id=storm_id)
+        opened = [
+            row.not_before for row in self.store.outbox.find(storm_id=storm_id, kind=NotificationKind.STORM)
+        ]
+        self.enqueue(
+            NotificationKind.STORM_RESOLVED, ref, level, now, max([not_before, *opened]), storm_id=storm_id
+        )
 
-    def _request_drilldown(self, episode: dict[str, Any], now: float) -> bool:
+    def _request_drilldown(self, episode: Episode, now: float) -> bool:
         """Ask for a drill-down of the episode's job; True when one was requested now. A level
         nothing is sent for (report only, e.g. the per-rank P3 hang alerts) has no card to put a
         verdict on, so it gets none."""
         dd = self.cfg.drilldown
-        job = json.loads(episode["labels"]).get("job", "")
-        if episode["alertname"] not in dd.alerts or not drilldown_enabled(dd) or not job:
+        job = episode.labels.get("job", "")
+        if episode.alertname not in dd.alerts or not drilldown_enabled(dd) or not job:
             return False
-        if not routes(self.cfg, episode["level"]):
+        if not routes(self.cfg, episode.level):
             return False
-        if self.store.recent_drilldown(job, episode["alertname"], now - dd.rerun_after_s) is not None:
+        if self.store.incidents.recent_drilldown(job, episode.alertname, now - dd.rerun_after_s) is not None:
             return False
-        self.store.add_drilldown(job, episode["alertname"], episode["id"], now)
+        self.store.incidents.add_drilldown(job, episode.alertname, episode.id, now)
         return True
 
     # -- incidents: a job's hang and slow alerts at one level share one card ----------------------
 
-    def _incident_for(self, episode: dict[str, Any], now: float) -> Any:
+    def _incident_for(self, episode: Episode, now: float) -> IncidentRecord | None:
         """The incident a new firing episode leads or joins (None: not a hang or slow alert of a job).
         A member naming a culprit the incident's card does not know yet updates that card."""
-        job = json.loads(episode["labels"]).get("job", "")
-        if episode["alertname"] not in self.cfg.drilldown.alerts or not job:
+        job = episode.labels.get("job", "")
+        if episode.alertname not in self.cfg.drilldown.alerts or not job:
             return None
-        incident = self.store.open_incident(job, episode["level"])
+        incident = self.store.incidents.open(job, episode.level)
         if incident is None:
-            incident_id = self.store.create_incident(job, episode["level"], episode["id"], now)
+            incident_id = self.store.incidents.create(job, episode.level, episode.id, now)
         else:
-            incident_id = incident["id"]
-            members = self.store.incident_members(incident_id)
-            known = any(from_labels(m["alertname"], json.loads(m["labels"])) for m in members)
-            if not known and from_labels(episode["alertname"], json.loads(episode["labels"])) is not None:
-                self.incident_changed(incident_id, now, f"rules@{episode['id']}")
-        self.store.update_episode(episode["id"], incident_id=incident_id)
-        return self.store.incident(incident_id)
+            incident_id = incident.id
+            members = self.store.incidents.members(incident_id)
+            known = any(from_labels(m.alertname, m.labels) for m in members)
+            if not known and from_labels(episode.alertname, episode.labels) is not None:
+                self.incident_changed(incident_id, now, f"rules@{episode.id}")
+        self.store.episodes.update(episode.id, incident_id=incident_id)
+        return self.store.incidents.get(incident_id)
 
     def _incident_member_resolved(self, incident_id: int, now: float) -> None:
         """The incident closes when its last member resolves; its cards then show it resolved."""
-        if any(m["status"] == "firing" for m in self.store.incident_members(incident_id)):
+        if any(m.status == EpisodeStatus.FIRING for m in self.store.incidents.members(incident_id)):
             return
-        self.store.set_incident(incident_id, closed_at=now)
+        self.store.incidents.update(incident_id, closed_at=now)
         self.incident_changed(incident_id, now, "resolved")
 
     def incident_changed(self, incident_id: int, now: float, why: str) -> None:
@@ -293,33 +327,34 @@ class Pipeline:
         in place where its channel edits, else as one reply; the resolve always follows the card.
         Run it in the transaction that changed the incident: delivery renders and freezes a card in
         one transaction, so exactly one of the two shows the change."""
-        incident = self.store.incident(incident_id)
+        incident = self.store.incidents.get(incident_id)
         if incident is None:
             return
-        kind = "resolved" if why == "resolved" else "verdict"
-        lead = self.store.episode(incident["lead_episode_id"])
-        for card in self.store.outbox_for(episode_id=incident["lead_episode_id"], kind="firing"):
-            if card["state"] in ("dead", "suppressed"):
+        kind = NotificationKind.RESOLVED if why == "resolved" else NotificationKind.VERDICT
+        lead = self.store.episodes.get(incident.lead_episode_id)
+        for card in self.store.outbox.find(episode_id=incident.lead_episode_id, kind=NotificationKind.FIRING):
+            if card.state in (OutboxState.DEAD, OutboxState.SUPPRESSED):
                 continue
-            if kind == "verdict" and card["state"] == "pending" and card["payload"] is None:
-                if lead is not None and not lead["flapping"]:
-                    self.store.set_outbox(card["id"], not_before=min(card["not_before"], now))
+            if (
+                kind == NotificationKind.VERDICT
+                and card.state == OutboxState.PENDING
+                and card.payload is None
+            ):
+                if lead is not None and not lead.flapping:
+                    self.store.outbox.update(card.id, not_before=min(card.not_before, now))
                 continue
-            self.store.enqueue(
-                {
-                    "kind": kind,
-                    "parent_id": card["id"],
-                    "episode_id": incident["lead_episode_id"],
-                    "channel": card["channel"],
-                    "destination": card["destination"],
-                    "level": card["level"],
-                    "idem_key": idempotency_key(
-                        kind, f"{card['id']}@{why}", card["channel"], card["destination"]
-                    ),
-                    "created_at": now,
-                    "not_before": now,
-                }
+            update = NewNotification(
+                kind=kind,
+                channel=card.channel,
+                destination=card.destination,
+                level=card.level,
+                idem_key=idempotency_key(kind, f"{card.id}@{why}", card.channel, card.destination),
+                created_at=now,
+                not_before=now,
+                episode_id=incident.lead_episode_id,
+                parent_id=card.id,
             )
+            self.store.outbox.enqueue(update)
 
     # -- webhooks -------------------------------------------------------------------------------
 
@@ -333,7 +368,7 @@ class Pipeline:
                 self.metrics.received.inc()
                 try:
                     with self.store.savepoint():
-                        if alert.status == "firing":
+                        if alert.status == EpisodeStatus.FIRING:
                             self._firing(alert, external_url, now)
                         else:
                             self._resolved(alert, external_url, now)
@@ -349,7 +384,7 @@ class Pipeline:
         self, source: str, alert: Any, reason: str, now: float, inbox_id: int | None = None
     ) -> None:
         """Set one alert aside: stored with its reason, logged, counted (``/healthz``, ``/metrics``)."""
-        self.store.add_quarantine(source, alert, reason, now, inbox_id)
+        self.store.inbox.quarantine(source, alert, reason, now, inbox_id)
         self.metrics.quarantined.inc()
         log.warning("quarantined an alert from %s (inbox %s): %s", source, inbox_id, reason)
 
@@ -359,18 +394,18 @@ class Pipeline:
         validated on arrival, but rows stored by an older version may hold alerts that no longer
         pass: those alerts are quarantined, the rest of their webhook is processed."""
         done = 0
-        for row in self.store.unprocessed_inbox(limit):
+        for row in self.store.inbox.unprocessed(limit):
             try:
-                webhook = parse_webhook(row["body"], lenient=True)
+                webhook = parse_webhook(row.body, lenient=True)
             except PayloadError as exc:
-                self.quarantine(row["source"], row["body"], str(exc), now, row["id"])
-                self.store.mark_inbox(row["id"], now, str(exc))
+                self.quarantine(row.source, row.body, str(exc), now, row.id)
+                self.store.inbox.mark(row.id, now, str(exc))
                 continue
             with self.store.transaction():
-                if not self.store.claim_inbox(row["id"], now):  # another replica processed it
+                if not self.store.inbox.claim(row.id, now):  # another replica processed it
                     continue
                 for index, reason, raw in webhook.rejected:
-                    self.quarantine(row["source"], raw, f"alerts[{index}]: {reason}", now, row["id"])
-                self.ingest(webhook.alerts, webhook.external_url, now, row["id"])
+                    self.quarantine(row.source, raw, f"alerts[{index}]: {reason}", now, row.id)
+                self.ingest(webhook.alerts, webhook.external_url, now, row.id)
             done += 1
         return done

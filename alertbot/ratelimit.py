@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from megatrace.alertbot.store import Store
-
-Window = tuple[str, float, float]  # (limiter key, requests allowed, window in seconds)
+from megatrace.alertbot.store.coordination import Window
 
 
 class Limiter(Protocol):
@@ -79,7 +78,7 @@ class SharedRateLimiter:
         self._lock = threading.Lock()
 
     def acquire(self, limits: Sequence[Window], now: float) -> float:
-        wait, ids = self.store.take_rate_slots(limits, now)
+        wait, ids = self.store.coordination.take_rate_slots(limits, now)
         if ids:
             with self._lock:
                 self._taken[(now, tuple(limits))] = ids
@@ -88,4 +87,4 @@ class SharedRateLimiter:
     def settle(self, limits: Sequence[Window], taken: float, done: float) -> None:
         with self._lock:
             ids = self._taken.pop((taken, tuple(limits)), [])
-        self.store.settle_rate_slots(ids, max(done, taken))
+        self.store.coordination.settle_rate_slots(ids, max(done, taken))

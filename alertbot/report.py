@@ -7,8 +7,8 @@ its first alert, lasting until its last resolved, with its culprit and how many 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
-import json
 import statistics
 import zipfile
 from datetime import date, datetime, timedelta
@@ -23,8 +23,10 @@ from openpyxl.styles import Font
 from megatrace.alertbot.config import LEVELS, OncallConfig
 from megatrace.alertbot.incident import load as load_incident
 from megatrace.alertbot.incident import node_of
+from megatrace.alertbot.kinds import EpisodeStatus
 from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.store import Store
+from megatrace.alertbot.store.records import Action, Episode
 
 DETAIL_COLUMNS = (
     "Episode",
@@ -51,27 +53,28 @@ DETAIL_COLUMNS = (
 MAX_WIDTH = 60
 
 
-def counted_once(store: Store, since: float, until: float) -> list[tuple[dict[str, Any], str, int]]:
+def counted_once(store: Store, since: float, until: float) -> list[tuple[Episode, str, int]]:
     """The episodes starting in [since, until) with an incident's other alerts folded into its first:
     (episode, culprit, alerts), where an incident's row ends when the incident did."""
-    incidents = {row["lead_episode_id"]: row for row in store.incidents_led_between(since, until)}
+    incidents = {row.lead_episode_id: row for row in store.incidents.led_between(since, until)}
     found = []
-    for row in store.episodes_between(since, until):
-        if row["incident_id"] is None:
-            found.append((dict(row), "", 1))
+    for row in store.episodes.between(since, until):
+        if row.incident_id is None:
+            found.append((row, "", 1))
             continue
-        incident = incidents.get(row["id"])
+        incident = incidents.get(row.id)
         if incident is None:  # another alert of an incident: counted with its first
             continue
-        shown = load_incident(store, incident["id"])
+        shown = load_incident(store, incident.id)
         culprit = shown.culprit if shown else None
         named = culprit.named + (f" on {culprit.node}" if culprit.node else "") if culprit else ""
         closed = shown is not None and shown.closed
-        episode = dict(row) | {
-            "status": "resolved" if closed else "firing",
-            "ends_at": shown.ended if closed else None,
-        }
-        found.append((episode, named, len(store.incident_members(incident["id"]))))
+        episode = dataclasses.replace(
+            row,
+            status=EpisodeStatus.RESOLVED if closed else EpisodeStatus.FIRING,
+            ends_at=shown.ended if shown is not None and closed else None,
+        )
+        found.append((episode, named, len(store.incidents.members(incident.id))))
     return found
 
 
@@ -105,8 +108,8 @@ def saved(book: Workbook) -> bytes:
     return out.getvalue()
 
 
-def _minutes(row: Any) -> float | None:
-    return None if row["ends_at"] is None else round((row["ends_at"] - row["starts_at"]) / 60, 1)
+def _minutes(row: Episode) -> float | None:
+    return None if row.ends_at is None else round((row.ends_at - row.starts_at) / 60, 1)
 
 
 def _local(epoch: float | None, zone: ZoneInfo) -> datetime | None:
@@ -119,66 +122,138 @@ def _bold_row(sheet: Any, values: list[Any]) -> None:
         cell.font = Font(bold=True)
 
 
-def build_report(
+@dataclasses.dataclass(frozen=True)
+class WeeklyReport:
+    """What the weekly workbook shows, computed from the store before anything is written."""
+
+    since: float
+    until: float
+    timezone: str
+    days: list[date]
+    by_day: dict[date, collections.Counter[str]]
+    by_level: collections.Counter[str]
+    top_alerts: list[tuple[str, int]]
+    top_nodes: list[tuple[str, int]]
+    resolve_times: list[list[object]]  # per level: resolved, median, 90th percentile, unresolved
+    detail: list[list[object]]
+    duty: list[list[object]]  # per day: primary, then the rest
+    actions: list[Action]
+    durations: list[float]
+
+
+def weekly_report(
     store: Store,
     since: float,
     until: float,
-    path: Path,
     top_n: int = 10,
     timezone: str = "UTC",
     oncall: OncallConfig | None = None,
-) -> dict[str, Any]:
-    """Write the workbook for episodes starting in [since, until) to `path`; returns its summary.
-    Its "On call" sheet lists who was primary each day and every on-call action (notes included)."""
+) -> WeeklyReport:
+    """The report of episodes starting in [since, until), with who was on call each day."""
     zone = ZoneInfo(timezone)
     counted = counted_once(store, since, until)
     rows = [episode for episode, _, _ in counted]
-    labels = [json.loads(r["labels"]) for r in rows]
     first_day = datetime.fromtimestamp(since, zone).date()
     last_day = datetime.fromtimestamp(max(since, until - 1), zone).date()
     days = [first_day + timedelta(days=i) for i in range((last_day - first_day).days + 1)]
     by_day: dict[date, collections.Counter[str]] = {day: collections.Counter() for day in days}
     for row in rows:
-        by_day[datetime.fromtimestamp(row["starts_at"], zone).date()][row["level"]] += 1
-    by_level = collections.Counter(r["level"] for r in rows)
-    top_alerts = collections.Counter(r["alertname"] for r in rows).most_common(top_n)
-    top_nodes = collections.Counter(n for n in map(node_of, labels) if n).most_common(top_n)
+        by_day[datetime.fromtimestamp(row.starts_at, zone).date()][row.level] += 1
+    resolve_times: list[list[object]] = []
+    for level in LEVELS:
+        durations = sorted(m for r in rows if r.level == level and (m := _minutes(r)) is not None)
+        unresolved = sum(1 for r in rows if r.level == level and r.ends_at is None)
+        median = round(statistics.median(durations), 1) if durations else None
+        p90 = durations[min(len(durations) - 1, int(0.9 * len(durations)))] if durations else None
+        resolve_times.append([level, len(durations), median, p90, unresolved])
+    detail: list[list[object]] = [
+        [
+            row.id,
+            row.alertname,
+            row.level,
+            row.severity,
+            str(row.status),
+            _local(row.starts_at, zone),
+            _local(row.ends_at, zone),
+            _minutes(row),
+            row.labels.get("job", ""),
+            node_of(row.labels),
+            culprit,
+            alerts,
+            row.annotations.get("summary", ""),
+            row.recurrence,
+            "yes" if row.escalated else "",
+            "yes" if row.flapping else "",
+            row.duplicates,
+            row.fingerprint,
+        ]
+        for row, culprit, alerts in counted
+    ]
+    duty: list[list[object]] = []
+    for day in days:
+        noon = datetime.combine(day, datetime.min.time(), zone).timestamp() + 12 * 3600
+        order = [p.name for p in rotation(oncall, noon)] if oncall else []
+        duty.append([day.isoformat(), order[0] if order else "", ", ".join(order[1:])])
+    return WeeklyReport(
+        since=since,
+        until=until,
+        timezone=timezone,
+        days=days,
+        by_day=by_day,
+        by_level=collections.Counter(r.level for r in rows),
+        top_alerts=collections.Counter(r.alertname for r in rows).most_common(top_n),
+        top_nodes=collections.Counter(n for n in (node_of(r.labels) for r in rows) if n).most_common(top_n),
+        resolve_times=resolve_times,
+        detail=detail,
+        duty=duty,
+        actions=store.coordination.actions_between(since, until),
+        durations=[m for r in rows if (m := _minutes(r)) is not None],
+    )
 
+
+def write_workbook(report: WeeklyReport, path: Path) -> dict[str, Any]:
+    """Write the report's workbook to `path`; returns its summary (what the report card shows). Its
+    "On call" sheet lists who was primary each day and every on-call action (notes included)."""
+    zone = ZoneInfo(report.timezone)
+    total = sum(report.by_level.values())
     book = Workbook()
     summary = book.active
     summary.title = "Summary"
     summary.append(["Megatrace alert report"])
     summary["A1"].font = Font(bold=True, size=14)
-    summary.append(["From", _local(since, zone), "Until", _local(until, zone), "Time zone", timezone])
+    summary.append(
+        [
+            "From",
+            _local(report.since, zone),
+            "Until",
+            _local(report.until, zone),
+            "Time zone",
+            report.timezone,
+        ]
+    )
     summary.append([])
     _bold_row(summary, ["Day", *LEVELS, "Total"])
     table_top = summary.max_row
-    for day in days:
-        counts = by_day[day]
+    for day in report.days:
+        counts = report.by_day[day]
         summary.append([day.isoformat(), *(counts[level] for level in LEVELS), sum(counts.values())])
-    _bold_row(summary, ["Total", *(by_level[level] for level in LEVELS), len(rows)])
+    _bold_row(summary, ["Total", *(report.by_level[level] for level in LEVELS), total])
     table_bottom = summary.max_row - 1
 
     summary.append([])
     _bold_row(summary, ["Top recurring alerts", "Episodes"])
-    for name, count in top_alerts:
+    for name, count in report.top_alerts:
         summary.append([name, count])
     summary.append([])
     _bold_row(summary, ["Top nodes", "Episodes"])
-    for name, count in top_nodes:
+    for name, count in report.top_nodes:
         summary.append([name, count])
     summary.append([])
     _bold_row(
         summary, ["Time to resolve", "Resolved", "Median minutes", "90th percentile minutes", "Unresolved"]
     )
-    medians = {}
-    for level in LEVELS:
-        durations = sorted(m for r in rows if r["level"] == level and (m := _minutes(r)) is not None)
-        unresolved = sum(1 for r in rows if r["level"] == level and r["ends_at"] is None)
-        median = round(statistics.median(durations), 1) if durations else None
-        p90 = durations[min(len(durations) - 1, int(0.9 * len(durations)))] if durations else None
-        medians[level] = median
-        summary.append([level, len(durations), median, p90, unresolved])
+    for line in report.resolve_times:
+        summary.append(line)
 
     chart = BarChart()
     chart.type = "col"
@@ -194,51 +269,26 @@ def build_report(
 
     detail = book.create_sheet("Detail")
     _bold_row(detail, list(DETAIL_COLUMNS))
-    for (row, culprit, alerts), lab in zip(counted, labels, strict=True):
-        annotations = json.loads(row["annotations"])
-        detail.append(
-            [
-                row["id"],
-                row["alertname"],
-                row["level"],
-                row["severity"],
-                row["status"],
-                _local(row["starts_at"], zone),
-                _local(row["ends_at"], zone),
-                _minutes(row),
-                lab.get("job", ""),
-                node_of(lab),
-                culprit,
-                alerts,
-                annotations.get("summary", ""),
-                row["recurrence"],
-                "yes" if row["escalated"] else "",
-                "yes" if row["flapping"] else "",
-                row["duplicates"],
-                row["fingerprint"],
-            ]
-        )
+    for line in report.detail:
+        detail.append(line)
     detail.freeze_panes = "A2"
     detail.auto_filter.ref = detail.dimensions
     size_columns(detail)
-    actions = store.actions_between(since, until)
     duty = book.create_sheet("On call")
     _bold_row(duty, ["Day", "Primary", "Then"])
-    for day in days:
-        noon = datetime.combine(day, datetime.min.time(), zone).timestamp() + 12 * 3600
-        order = [p.name for p in rotation(oncall, noon)] if oncall else []
-        duty.append([day.isoformat(), order[0] if order else "", ", ".join(order[1:])])
+    for line in report.duty:
+        duty.append(line)
     duty.append([])
     _bold_row(duty, ["Time", "Who", "Action", "Alert", "Detail", "From"])
-    for action in actions:
+    for action in report.actions:
         duty.append(
             [
-                _local(action["at"], zone),
-                action["actor_name"],
-                action["action"],
-                action["episode_id"],
-                action["detail"],
-                action["source"],
+                _local(action.at, zone),
+                action.actor_name,
+                action.action,
+                action.episode_id,
+                action.detail,
+                action.source,
             ]
         )
     size_columns(duty)
@@ -246,17 +296,30 @@ def build_report(
         text_only(sheet)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(saved(book))
-    all_durations = [m for r in rows if (m := _minutes(r)) is not None]
+    first_day, last_day = report.days[0], report.days[-1]
     return {
         "title": f"Megatrace weekly alert report {first_day.isoformat()} – {last_day.isoformat()}",
         "since": first_day.isoformat(),
         "until": last_day.isoformat(),
-        "total": len(rows),
-        "by_level": [(level, by_level[level]) for level in LEVELS],
-        "top": top_alerts[:5],
-        "mttr": f"{statistics.median(all_durations):.1f} min" if all_durations else "",
-        "actions": len(actions),
-        "notes": sum(1 for a in actions if a["action"] == "note"),
+        "total": total,
+        "by_level": [(level, report.by_level[level]) for level in LEVELS],
+        "top": report.top_alerts[:5],
+        "mttr": f"{statistics.median(report.durations):.1f} min" if report.durations else "",
+        "actions": len(report.actions),
+        "notes": sum(1 for a in report.actions if a.action == "note"),
         "file_name": path.name,
         "path": str(path),
     }
+
+
+def write_report(
+    store: Store,
+    since: float,
+    until: float,
+    path: Path,
+    top_n: int = 10,
+    timezone: str = "UTC",
+    oncall: OncallConfig | None = None,
+) -> dict[str, Any]:
+    """Compute the report of episodes starting in [since, until) and write its workbook to `path`."""
+    return write_workbook(weekly_report(store, since, until, top_n, timezone, oncall), path)

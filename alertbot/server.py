@@ -192,7 +192,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             if path == "/feishu/callback" and service.cfg.feishu.callback.mode == "request_url":
                 body = self.read_body(CALLBACK_MAX_BODY, self.refuse_large_callback)
                 if body is not None:
-                    self.card_callback(body)
+                    self.card_callback(bytes(body))
                 return
             if path not in ("/alertmanager", "/silence"):
                 self.reply(404, {"error": "not found"})
@@ -205,7 +205,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
             if path == "/alertmanager":
                 self.webhook(body)
             else:
-                self.silence(body)
+                self.silence(bytes(body))
 
         def webhook(self, body: bytearray) -> None:
             try:
@@ -222,7 +222,7 @@ def make_server(service: Service) -> ThreadingHTTPServer:
                 self.reply(400, {"error": str(exc)})
                 return
             try:
-                service.store.add_inbox("webhook", text, time.time())
+                service.store.inbox.add("webhook", text, time.time())
             except Exception:
                 log.exception("cannot store webhook")
                 service.metrics.webhooks.labels("store_failed").inc()

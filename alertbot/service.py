@@ -3,6 +3,7 @@ workers and the APScheduler jobs (reconciliation, sheet archive, retention, week
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,19 +23,21 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from megatrace.alertbot.actions import Actions
 from megatrace.alertbot.alertmanager import AlertmanagerError, reconcile
 from megatrace.alertbot.cards import CardRenderer
-from megatrace.alertbot.channels import card_message
+from megatrace.alertbot.channels import CHANNELS, FALLBACK, card_message
 from megatrace.alertbot.config import AlertbotConfig, app_configured, cron_trigger
 from megatrace.alertbot.delivery import ConsoleSink, Delivery
 from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.feishu import FeishuApp
 from megatrace.alertbot.grading import load_policy
+from megatrace.alertbot.kinds import NotificationKind
 from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import Escalator
 from megatrace.alertbot.pipeline import Pipeline, idempotency_key
 from megatrace.alertbot.ratelimit import RateLimiter, SharedRateLimiter
-from megatrace.alertbot.report import build_report
+from megatrace.alertbot.report import write_report
 from megatrace.alertbot.server import make_server
 from megatrace.alertbot.store import open_store
+from megatrace.alertbot.store.records import NewNotification
 
 log = logging.getLogger(__name__)
 QUIET_LOGGERS = ("apscheduler",)  # logs every job run at INFO: once a minute or more, nothing to act on
@@ -74,7 +77,7 @@ class Service:
             if self.httpd is not None:
                 self.httpd.server_close()
             raise
-        self.metrics = BotMetrics(queue_depth=self.store.queue_depth)
+        self.metrics = BotMetrics(queue_depth=self.store.outbox.queue_depth)
         self.pipeline = Pipeline(self.store, cfg, policy, self.metrics)
         app = cfg.feishu.app
         self.app = (
@@ -156,9 +159,9 @@ class Service:
 
     def _counts(self) -> dict[str, int]:
         return {
-            "queue": self.store.queue_depth(),
-            "dead": len(self.store.dead_letters()),
-            "quarantined": self.store.quarantine_count(),
+            "queue": self.store.outbox.queue_depth(),
+            "dead": len(self.store.outbox.dead_letters()),
+            "quarantined": self.store.inbox.quarantine_count(),
         }
 
     def _store_failed(self) -> bool:
@@ -183,7 +186,7 @@ class Service:
 
     def leader(self, now: float) -> bool:
         """Whether this replica runs the cluster's scheduled work now (holds the scheduler lease)."""
-        return self.store.hold_lease("scheduler", self.replica, now, self.cfg.store.lease_s)
+        return self.store.coordination.hold_lease("scheduler", self.replica, now, self.cfg.store.lease_s)
 
     def once_per_cluster(self, job: Callable[[], Any]) -> Callable[[], None]:
         """`job` run only by the replica holding the scheduler lease."""
@@ -209,7 +212,7 @@ class Service:
         while not self._stop.is_set():
             try:
                 more = self.work_once()
-                next_due = None if more else self.store.next_due()
+                next_due = None if more else self.store.outbox.next_due()
             except Exception as exc:
                 self._round_failed(exc)
                 more, next_due = False, None
@@ -259,16 +262,16 @@ class Service:
     def report_once(self, since: datetime, until: datetime) -> bool:
         slot = f"{since.timestamp():.0f}-{until.timestamp():.0f}"
         now = time.time()
-        if not self.store.claim_run("report", slot, self.replica, now, self.cfg.store.lease_s):
+        if not self.store.coordination.claim_run("report", slot, self.replica, now, self.cfg.store.lease_s):
             return False
         self.queue_report(since, until)
-        self.store.finish_run("report", slot, time.time())
+        self.store.coordination.finish_run("report", slot, time.time())
         return True
 
     def resume_reports(self) -> None:
         zone = ZoneInfo(self.cfg.report.timezone)
-        for run in self.store.unfinished_runs("report", time.time()):
-            since, until = (datetime.fromtimestamp(float(t), zone) for t in run["slot"].split("-"))
+        for run in self.store.coordination.unfinished_runs("report", time.time()):
+            since, until = (datetime.fromtimestamp(float(t), zone) for t in run.slot.split("-"))
             self.report_once(since, until)
 
     def queue_report(self, since: datetime, until: datetime, on_demand: bool = False) -> dict[str, Any]:
@@ -277,7 +280,7 @@ class Service:
         is sent once however often the job fires; an on-demand one is sent every time."""
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(self.cfg.report.directory) / name
-        summary = build_report(
+        summary = write_report(
             self.store,
             since.timestamp(),
             until.timestamp(),
@@ -290,28 +293,27 @@ class Service:
         now = time.time()
         ref = f"{since.timestamp():.0f}-{until.timestamp():.0f}" + (f"@{now}" if on_demand else "")
         chat = self.cfg.report.chat
-        messages = (
-            [
-                ("report-file", "app", chat, {"msg_type": "file", "path": str(path)}),
-                ("report", "app", chat, card_message(card)),
-            ]
+        takers = [name for name, channel in CHANNELS.items() if channel.receives_reports]
+        file_message: dict[str, object] = {"msg_type": "file", "path": str(path)}
+        messages: list[tuple[NotificationKind, str, str, dict[str, object]]] = (
+            [(NotificationKind.REPORT_FILE, name, chat, file_message) for name in takers]
+            + [(NotificationKind.REPORT, name, chat, card_message(card)) for name in takers]
             if chat
-            else [("report", "console", "report", card_message(card) | {"path": str(path)})]
+            else [(NotificationKind.REPORT, FALLBACK, "report", card_message(card) | {"path": str(path)})]
         )
         summary["outbox"] = []
         for kind, channel, destination, payload in messages:
-            queued = self.store.enqueue(
-                {
-                    "kind": kind,
-                    "channel": channel,
-                    "destination": destination,
-                    "level": "P3",
-                    "idem_key": idempotency_key(kind, ref, channel, destination),
-                    "created_at": now,
-                    "not_before": now,
-                    "payload": json.dumps(payload, ensure_ascii=False),
-                }
+            new = NewNotification(
+                kind=kind,
+                channel=channel,
+                destination=destination,
+                level="P3",
+                idem_key=idempotency_key(kind, ref, channel, destination),
+                created_at=now,
+                not_before=now,
+                payload=json.dumps(payload, ensure_ascii=False),
             )
+            queued = self.store.outbox.enqueue(new)
             if queued is not None:
                 summary["outbox"].append(queued)
         self.wake()
@@ -396,6 +398,8 @@ class Service:
         self.drilldowns.shutdown()
         if self.cfg.feishu.sheet.spreadsheet_token:
             self.delivery.flush_archive()
+        with contextlib.suppress(*self.store.errors):  # another replica takes the scheduler at once
+            self.store.coordination.release_lease("scheduler", self.replica)
         self.store.close()
 
     def run_forever(self) -> None:

@@ -22,7 +22,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatrace.alertbot.store import Store
+from megatrace.alertbot.store import sqlite_store
 from tests.support.feishu_callbacks import CallbackSender, alert_with_card
 from tests.support.services import free_port, running
 
@@ -31,7 +31,7 @@ VERIFY, KEY, ALICE = "verification-token-for-bench", "encrypt-key-for-bench", "o
 
 def prepare(directory: Path, port: int) -> Path:
     """A bot configuration with request-URL callbacks, and a database holding one alert and its card."""
-    store = Store(directory / "bot.db")
+    store = sqlite_store(directory / "bot.db")
     alert_with_card(store, "om_bench", "MegatraceJobHang")
     store.close()
     config = {

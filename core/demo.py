@@ -165,24 +165,24 @@ def count_cards(messages: list[dict[str, Any]], level: str, job: str) -> int:
 def bot_diagnostics(state: Path, now: float | None = None, log_lines: int = 12) -> list[str]:
     """What the alert bot of the stack in `state` was doing: every drill-down and its state, every
     message not delivered, and the last warnings and errors of its log. Printed when a step fails."""
-    from megatrace.alertbot.store import Store, StoreError
+    from megatrace.alertbot.store import StoreError, sqlite_store
 
     now = time.time() if now is None else now
     lines = []
     try:
-        store = Store(state / "alertbot.sqlite3", read_only=True)
+        store = sqlite_store(state / "alertbot.sqlite3", read_only=True)
     except StoreError as exc:
         lines.append(f"alert bot database: {exc}")
     else:
         try:
-            for row in store.query("SELECT * FROM drilldowns ORDER BY id"):
+            for row in store.db.query("SELECT * FROM drilldowns ORDER BY id"):
                 result = json.loads(row["result"] or "{}")
                 outcome = result.get("error") or result.get("verdict") or ""
                 lines.append(
                     f"drill-down {row['id']} of job {row['job']} ({row['alertname']}): {row['state']}, "
                     f"requested {now - row['requested_at']:.0f}s ago" + (f"; {outcome}" if outcome else "")
                 )
-            for row in store.query("SELECT * FROM outbox WHERE state != 'sent' ORDER BY id"):
+            for row in store.db.query("SELECT * FROM outbox WHERE state != 'sent' ORDER BY id"):
                 lines.append(
                     f"message {row['id']} ({row['kind']} {row['level']}): {row['state']} after "
                     f"{row['attempts']} attempt(s)" + (f"; {row['last_error']}" if row["last_error"] else "")

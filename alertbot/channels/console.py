@@ -7,10 +7,12 @@ import json
 import sys
 import threading
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from megatrace.alertbot.channels.base import Channel, Context
+from megatrace.alertbot.channels.base import Context, FeishuCardChannel, Message
 from megatrace.alertbot.feishu import SendResult
+from megatrace.alertbot.kinds import Outcome
+from megatrace.alertbot.store.records import Outbox
 
 
 class ConsoleSink:
@@ -20,7 +22,7 @@ class ConsoleSink:
         self.path = path
         self._lock = threading.Lock()
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, object]) -> None:
         line = json.dumps(record, ensure_ascii=False, sort_keys=True)
         with self._lock:
             if self.path in ("", "-"):
@@ -36,17 +38,18 @@ class ConsoleSink:
         stream.flush()
 
 
-class ConsoleChannel(Channel):
-    """Also the fallback of every level that has no other channel (see `channels.routes`)."""
+class ConsoleChannel(FeishuCardChannel):
+    """Writes the card it would send. Also the fallback of every level that has no other channel (see
+    `channels.routes`), and where the weekly report goes when no app chat takes it."""
 
     name = "console"
-    edits = True
+    edits_messages = True
 
-    def send(self, ctx: Context, row: Any, message: dict[str, Any]) -> SendResult:
-        ctx.console.write({"channel": self.name, "level": row["level"], "kind": row["kind"], **message})
-        return SendResult("sent", "written to console")
+    def send(self, ctx: Context, row: Outbox, message: Message) -> SendResult:
+        ctx.console.write({"channel": self.name, "level": row.level, "kind": row.kind, **message})
+        return SendResult(Outcome.SENT, "written to console")
 
-    def update(self, ctx: Context, row: Any, parent: Any, message: dict[str, Any]) -> SendResult:
-        record = {"channel": self.name, "level": row["level"], "kind": row["kind"], **message}
-        ctx.console.write(record | {"replaces": parent["idem_key"]})
-        return SendResult("sent", "written to console")
+    def update(self, ctx: Context, row: Outbox, parent: Outbox, message: Message) -> SendResult:
+        record = {"channel": self.name, "level": row.level, "kind": row.kind, **message}
+        ctx.console.write(record | {"replaces": parent.idem_key})
+        return SendResult(Outcome.SENT, "written to console")

@@ -3,10 +3,10 @@ per notification, so it is not an outbox channel)."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 from megatrace.alertbot.channels.base import Context
+from megatrace.alertbot.kinds import ArchiveState, Outcome
 from megatrace.alertbot.metrics import BotMetrics
 
 log = logging.getLogger(__name__)
@@ -18,18 +18,16 @@ def flush_archive(ctx: Context, metrics: BotMetrics) -> int:
     if not sheet.spreadsheet_token or ctx.app is None:
         return 0
     appended = 0
-    while rows := ctx.store.pending_archive(sheet.batch_size):
-        ids = [r["id"] for r in rows]
-        ctx.store.set_archive(ids, "sending")
-        result = ctx.app.append_rows(
-            sheet.spreadsheet_token, sheet.sheet_id, [json.loads(r["row"]) for r in rows]
-        )
+    while rows := ctx.store.outbox.pending_archive(sheet.batch_size):
+        ids = [r.id for r in rows]
+        ctx.store.outbox.set_archive(ids, ArchiveState.SENDING)
+        result = ctx.app.append_rows(sheet.spreadsheet_token, sheet.sheet_id, [r.row for r in rows])
         if not result.ok:
-            state = "pending" if result.outcome == "retry" else "dead"
-            ctx.store.set_archive(ids, state, result.detail)
+            state = ArchiveState.PENDING if result.outcome == Outcome.RETRY else ArchiveState.DEAD
+            ctx.store.outbox.set_archive(ids, state, result.detail)
             log.error("sheet archive of %d rows failed (%s): %s", len(ids), state, result.detail)
             return appended
-        ctx.store.set_archive(ids, "sent")
+        ctx.store.outbox.set_archive(ids, ArchiveState.SENT)
         metrics.archived.inc(len(ids))
         appended += len(ids)
     return appended

@@ -101,7 +101,7 @@ class Bot:
     def __init__(self, cfg: AlertbotConfig) -> None:
         self.cfg = cfg
         self.store = open_store(cfg.store.url, cfg.store.path, cfg.store.synchronous)
-        self.metrics = BotMetrics(self.store.queue_depth)
+        self.metrics = BotMetrics(self.store.outbox.queue_depth)
         self.pipeline = Pipeline(self.store, cfg, [], self.metrics)
         self.renderer = CardRenderer(cfg.templates_dir, cfg.links)
         app = cfg.feishu.app
@@ -112,16 +112,16 @@ class Bot:
 
     def receive(self, body: dict[str, Any], now: float | None = None) -> None:
         now = time.time() if now is None else now
-        self.store.add_inbox("webhook", json.dumps(body), now)
+        self.store.inbox.add("webhook", json.dumps(body), now)
         while self.pipeline.process_inbox(now):
             pass
 
     def drain(self, timeout: float = 20.0) -> None:
         """Deliver until nothing is pending (retries included)."""
         deadline = time.monotonic() + timeout
-        while self.store.queue_depth():
+        while self.store.outbox.queue_depth():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"outbox not drained: {[dict(r) for r in self.store.due_outbox(1e12)]}")
+                raise TimeoutError(f"outbox not drained: {[dict(r) for r in self.store.outbox.due(1e12)]}")
             self.delivery.deliver_due()
             time.sleep(0.02)
 

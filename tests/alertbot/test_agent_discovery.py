@@ -232,8 +232,8 @@ def test_a_partitioned_agent_holding_ranks_leaves_them_uncollected(job_root: Pat
     )
     assert report["no_data"] == [{"reason": reason, "ranks": [1]}]
     assert report["uncollected_ranks"] == [1]
-    bot.store.set_incident(1, verdict=json.dumps(report))
-    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
+    bot.store.incidents.update(1, verdict=json.dumps(report))
+    row = bot.store.outbox.find(kind="firing")[0]
     card = bot.delivery.render(row, time.time())["card"]["elements"][0]["text"]["content"]
     assert f"- rank 1: {reason}" in card
 

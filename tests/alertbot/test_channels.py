@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from megatrace.alertbot import store as store_module
-from megatrace.alertbot.channels import CHANNELS, Channel, Context, routes
+from megatrace.alertbot.channels import CHANNELS, Context, FeishuCardChannel, routes
 from megatrace.alertbot.config import AlertbotConfig
 from megatrace.alertbot.feishu import SendResult
-from megatrace.alertbot.store import MIGRATIONS, Store
+from megatrace.alertbot.store import MIGRATIONS, sqlite_store
+from megatrace.alertbot.store import database as database_module
 from tests.alertbot.conftest import Bot, alert, config, webhook
 
 
-class RecordingWebhook(Channel):
+class RecordingWebhook(FeishuCardChannel):
     """A channel as a new module would add one: routed for P1, edits nothing, records what it sends."""
 
     name = "webhook"
@@ -29,7 +29,7 @@ class RecordingWebhook(Channel):
         return ["https://hooks.example/megatrace"] if level == "P1" else []
 
     def send(self, ctx: Context, row: Any, message: dict[str, Any]) -> SendResult:
-        self.sent.append((row["kind"], message))
+        self.sent.append((row.kind, message))
         return SendResult("sent", "ok", data={"message_id": f"wh-{len(self.sent)}"})
 
 
@@ -55,18 +55,18 @@ def test_card_updates_of_an_older_version_move_to_the_app_channel(
 ) -> None:
     path = tmp_path / "old.db"
     with monkeypatch.context() as older:
-        older.setattr(store_module, "MIGRATIONS", MIGRATIONS[:3])
-        old = Store(path)
+        older.setattr(database_module, "MIGRATIONS", MIGRATIONS[:3])
+        old = sqlite_store(path)
     columns = "kind, channel, destination, level, state, idem_key, created_at, not_before, message_id"
-    old.db.execute(
+    old.db.run(
         f"INSERT INTO outbox ({columns}) VALUES ('firing', 'app', 'oc_p0', 'P0', 'sent', 'k1', 0, 0, 'om_7')"
     )
-    old.db.execute(
+    old.db.run(
         f"INSERT INTO outbox ({columns}) "
         "VALUES ('card-update', 'app-update', 'om_7', 'P0', 'pending', 'k2', 0, 0, NULL)"
     )
     old.close()
-    store = Store(path)
-    assert store.schema_version() == len(MIGRATIONS)
-    update = store.query("SELECT * FROM outbox WHERE idem_key = 'k2'")[0]
+    store = sqlite_store(path)
+    assert store.db.schema_version() == len(MIGRATIONS)
+    update = store.db.query("SELECT * FROM outbox WHERE idem_key = 'k2'")[0]
     assert (update["channel"], update["destination"], update["parent_id"]) == ("app", "oc_p0", 1)

@@ -98,7 +98,7 @@ def test_the_first_card_waits_for_a_quick_verdict_and_names_the_culprit(tmp_path
     assert "**Seen**: rank 5 never joined." in body
     assert "**Do first**: Drain node gpu-9, then restart job llm-7 from its last checkpoint." in body
     assert "**Also alerting**: ranks 0-1" in body
-    result = json.loads(bot.store.query("SELECT result FROM drilldowns")[0]["result"])
+    result = json.loads(bot.store.db.query("SELECT result FROM drilldowns")[0]["result"])
     assert result["analyzed"] == str((tmp_path / "traces" / "llm-7").resolve())
     runner.shutdown()
 
@@ -114,7 +114,7 @@ def test_a_late_verdict_updates_the_card_that_went_out_without_it(tmp_path: Path
     assert title(first) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
     assert "**Culprit**: not known yet; the drill-down's verdict follows" in text(first)
     gate.touch()
-    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    wait_until(lambda: bot.store.outbox.queue_depth(), what="the verdict queued")
     bot.drain()
     first, update = bot.console()
     assert update["kind"] == "verdict" and update["replaces"] == first["card"]["elements"][-1]["elements"][0][
@@ -141,7 +141,7 @@ def test_one_drilldown_per_job_and_alert_within_the_rerun_window(tmp_path: Path)
     bot.receive(webhook(alert("MegatraceSlowRank", severity="P1", job="llm-7", rank="3")))
     bot.receive(webhook(alert(job="llm-7", rank="2", starts_at=1_790_000_060.0)))
     bot.receive(webhook(alert(job="llm-8", rank="0")))
-    rows = bot.store.query("SELECT job, alertname FROM drilldowns ORDER BY id")
+    rows = bot.store.db.query("SELECT job, alertname FROM drilldowns ORDER BY id")
     assert [tuple(row) for row in rows] == [
         ("llm-7", "MegatraceRankHang"),
         ("llm-7", "MegatraceSlowRank"),
@@ -155,8 +155,8 @@ def test_failing_analyzer_and_unknown_job_are_reported_not_raised(tmp_path: Path
     bot = Bot(cfg)
     runner = DrilldownRunner(bot.pipeline, cfg.drilldown, bot.metrics)
     bot.receive(webhook(alert(job="llm-7"), alert("MegatraceJobStalled", job="../../etc")))
-    for row in bot.store.pending_drilldowns():
-        runner.run(row["id"])
+    for row in bot.store.incidents.pending_drilldowns():
+        runner.run(row.id)
     bot.drain()
     texts = [text(line) for line in bot.console()]
     assert "not named: the drill-down failed (the analyzer's report has no verdict/suspects)" in texts[0]
@@ -176,13 +176,13 @@ def test_a_crashing_drilldown_still_answers_the_alert(
 
     monkeypatch.setattr(runner, "investigate", crash)
     bot.receive(webhook(alert(job="llm-7")))
-    (row,) = bot.store.pending_drilldowns()
-    runner.run(row["id"])
+    (row,) = bot.store.incidents.pending_drilldowns()
+    runner.run(row.id)
     bot.drain()
     (card,) = bot.console()
     assert title(card) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
     assert "the drill-down crashed (KeyError); the bot's log has the details" in text(card)
-    assert bot.store.drilldown(row["id"])["state"] == "done"
+    assert bot.store.incidents.drilldown(row.id).state == "done"
     assert "suspects" not in text(card)
 
 
@@ -279,7 +279,7 @@ def test_drilldown_names_the_hung_rank_from_real_tracer_dumps(tmp_path: Path) ->
     bot = Service(config(tmp_path, drilldown=drilldown))
     bot.start()
     try:
-        bot.store.add_inbox(
+        bot.store.inbox.add(
             "webhook", json.dumps(webhook(alert("MegatraceJobStalled", job="llm-7"))), time.time()
         )
         bot.wake()

@@ -30,8 +30,8 @@ HUNG_RANK = 2
 
 def card_text(bot: Bot, report: dict) -> str:
     """The text of the job's incident card once `report` is its verdict."""
-    bot.store.set_incident(1, verdict=json.dumps(report))
-    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
+    bot.store.incidents.update(1, verdict=json.dumps(report))
+    row = bot.store.outbox.find(kind="firing")[0]
     return bot.delivery.render(row, time.time())["card"]["elements"][0]["text"]["content"]
 
 

@@ -88,7 +88,7 @@ def test_every_firing_and_resolved_alert_arrives_exactly_once(
             events = sheet_events(feishu)
             messages = [m.body["content"] for m in feishu.messages()]
             huge = "SELECT COUNT(*) FROM inbox WHERE source = 'webhook' AND body LIKE '%MegatraceHuge-1099 %'"
-            by_webhook = bot.store.query(huge)[0][0]
+            by_webhook = bot.store.db.query(huge)[0][0]
         finally:
             bot.stop()
     expected = {

@@ -85,8 +85,8 @@ def test_wrong_secret_is_a_visible_dead_letter_without_retries(
     bot.receive(webhook(slow_rank()))
     with caplog.at_level(logging.ERROR):
         bot.drain()
-    (dead,) = bot.store.dead_letters()
-    assert dead["attempts"] == 1 and "code 19021" in dead["last_error"]
+    (dead,) = bot.store.outbox.dead_letters()
+    assert dead.attempts == 1 and "code 19021" in dead.last_error
     assert feishu.bot_posts() == []
     assert bot.metrics.dead.labels("bot")._value.get() == 1
     assert "DEAD LETTER" in caplog.text and "19021" in caplog.text
@@ -100,9 +100,9 @@ def test_rate_limit_and_server_errors_are_retried(tmp_path: Path, feishu: Feishu
     bot.receive(webhook(slow_rank()))
     bot.drain()
     assert len(feishu.bot_posts(hook)) == 1
-    row = bot.store.query("SELECT * FROM outbox")[0]
-    assert row["state"] == "sent" and row["attempts"] == 3
-    outcomes = [a["outcome"] for a in bot.store.attempts_of(row["id"])]
+    row = bot.store.outbox.find()[0]
+    assert row.state == "sent" and row.attempts == 3
+    outcomes = [a.outcome for a in bot.store.outbox.attempts_of(row.id)]
     assert outcomes == ["retry", "retry", "sent"]
 
 
@@ -112,8 +112,8 @@ def test_gives_up_after_max_attempts(tmp_path: Path, feishu: FeishuServer) -> No
     feishu.fail("bot", "server_error", "server_error", "server_error")
     bot.receive(webhook(slow_rank()))
     bot.drain()
-    (dead,) = bot.store.dead_letters()
-    assert dead["attempts"] == 2 and "HTTP 500" in dead["last_error"]
+    (dead,) = bot.store.outbox.dead_letters()
+    assert dead.attempts == 2 and "HTTP 500" in dead.last_error
 
 
 def test_app_honours_ratelimit_reset_header(tmp_path: Path, feishu: FeishuServer) -> None:
@@ -121,10 +121,10 @@ def test_app_honours_ratelimit_reset_header(tmp_path: Path, feishu: FeishuServer
     feishu.fail("message", "http_429")
     bot.receive(webhook(alert(job="llm", rank="0")))
     bot.delivery.deliver_due()
-    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
-    attempt = bot.store.attempts_of(row["id"])[0]
-    assert row["state"] == "pending" and "99991400" in row["last_error"]
-    assert row["not_before"] - attempt["finished_at"] >= 1.0  # x-ogw-ratelimit-reset: 1
+    row = bot.store.outbox.find(kind="firing")[0]
+    attempt = bot.store.outbox.attempts_of(row.id)[0]
+    assert row.state == "pending" and "99991400" in row.last_error
+    assert row.not_before - attempt.finished_at >= 1.0  # x-ogw-ratelimit-reset: 1
     bot.drain()
     assert len(feishu.messages("oc_oncall")) == 1
 
@@ -143,9 +143,9 @@ def test_p0_phones_oncall_with_sms_fallback_and_invalid_users(
     (sms,) = feishu.select("urgent_sms")
     assert sms.key == message.message_id and sms.body["user_id_list"] == ["ou_alice", "ou_bob"]
     assert feishu.select("urgent_phone") == [] and feishu.select("urgent_app") == []
-    urgent = bot.store.query("SELECT * FROM outbox WHERE kind = 'urgent'")[0]
-    assert urgent["state"] == "sent"
-    detail = bot.store.attempts_of(urgent["id"])[-1]["detail"]
+    urgent = bot.store.outbox.find(kind="urgent")[0]
+    assert urgent.state == "sent"
+    detail = bot.store.outbox.attempts_of(urgent.id)[-1].detail
     assert "urgent_sms: 1 of 2 reached" in detail and "ou_bob" in detail
     assert "quota exhausted" in caplog.text and "invalid ids" in caplog.text
 
@@ -176,10 +176,10 @@ def test_app_uuid_makes_a_resend_harmless(tmp_path: Path, feishu: FeishuServer) 
     bot = Bot(app_config(tmp_path, feishu))
     bot.receive(webhook(alert(job="llm", rank="1")))
     bot.drain()
-    row = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing'")[0]
-    message = json.loads(row["payload"])
+    row = bot.store.outbox.find(kind="firing")[0]
+    message = json.loads(row.payload)
     again = bot.delivery.send(row, message)  # e.g. a resend after a crash left it in doubt
-    assert again.ok and again.data["message_id"] == row["message_id"]
+    assert again.ok and again.data["message_id"] == row.message_id
     assert len(feishu.messages("oc_oncall")) == 1
 
 

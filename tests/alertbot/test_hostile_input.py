@@ -69,13 +69,13 @@ def test_bad_bodies_get_a_clear_4xx_and_what_was_accepted_is_delivered(service: 
         answer = post(service, path, body)
         assert answer.status_code == 400, (path, reason)
         assert reason in answer.json()["error"]
-    assert service.store.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
+    assert service.store.db.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
 
     good = json.dumps(webhook(alert(job="llm", rank="7"))).encode()
     assert post(service, "/alertmanager", good).status_code == 200
     wait_until(lambda: delivered(service), what="console delivery")
     assert [line["channel"] for line in delivered(service)] == ["console"]
-    assert service.store.dead_letters() == []
+    assert service.store.outbox.dead_letters() == []
 
 
 def test_content_length_must_be_plain_digits_and_slow_bodies_time_out(service: Service) -> None:
@@ -101,19 +101,19 @@ def test_an_alert_a_stored_body_cannot_process_is_quarantined_not_a_blocker(tmp_
     bot = Bot(cfg)
     bad = {**alert(job="llm", rank="1"), "startsAt": PAST_9999_IN_UTC}
     # stored by a version that accepted it; this one must set it aside and process the rest
-    bot.store.add_inbox("webhook", json.dumps(webhook(bad, alert(job="llm", rank="2"))), time.time())
+    bot.store.inbox.add("webhook", json.dumps(webhook(bad, alert(job="llm", rank="2"))), time.time())
     bot.receive(webhook(alert(job="llm", rank="3")))
 
-    (kept,) = bot.store.quarantined()
-    assert "startsAt" in kept["reason"] and json.loads(kept["alert"])["startsAt"] == PAST_9999_IN_UTC
-    ranks = {json.loads(row["labels"])["rank"] for row in bot.store.query("SELECT labels FROM episodes")}
+    (kept,) = bot.store.inbox.quarantined()
+    assert "startsAt" in kept.reason and json.loads(kept.alert)["startsAt"] == PAST_9999_IN_UTC
+    ranks = {json.loads(row["labels"])["rank"] for row in bot.store.db.query("SELECT labels FROM episodes")}
     assert ranks == {"2", "3"}
-    assert bot.store.unprocessed_inbox() == []
+    assert bot.store.inbox.unprocessed() == []
     assert bot.metrics.quarantined._value.get() == 1
     bot.store.close()
 
     again = Bot(cfg)  # a restart neither loses the quarantine nor processes it again
-    assert again.store.unprocessed_inbox() == [] and again.store.quarantine_count() == 1
+    assert again.store.inbox.unprocessed() == [] and again.store.inbox.quarantine_count() == 1
     again.store.close()
 
 
@@ -130,9 +130,9 @@ def test_an_alert_whose_processing_fails_is_undone_alone_and_quarantined(
 
     monkeypatch.setattr(bot.pipeline, "_firing", poisoned)
     bot.receive(webhook(alert(job="llm", rank="1"), alert(job="llm", rank="2")))
-    ranks = [json.loads(row["labels"])["rank"] for row in bot.store.query("SELECT labels FROM episodes")]
+    ranks = [json.loads(row["labels"])["rank"] for row in bot.store.db.query("SELECT labels FROM episodes")]
     assert ranks == ["2"]
-    assert [row["reason"] for row in bot.store.quarantined()] == [
+    assert [row.reason for row in bot.store.inbox.quarantined()] == [
         "processing failed: ValueError: cannot render this alert"
     ]
     bot.drain()
@@ -145,7 +145,7 @@ def test_reconciliation_quarantines_an_episode_it_cannot_write_back(
     bot = Bot(config(tmp_path))
     bot.receive(webhook(alert(job="llm", rank="1")), now=1_790_000_100.0)
     bad_start = 253_402_387_139.0  # 9999-12-31T23:59:59-23:59, as an older version stored it
-    bot.store.execute("UPDATE episodes SET starts_at = ?", (bad_start,))
+    bot.store.db.run("UPDATE episodes SET starts_at = ?", (bad_start,))
     bot.receive(webhook(alert(job="llm", rank="2")), now=1_790_000_100.0)
     monkeypatch.setattr(alertmanager, "fetch_alerts", lambda cfg: [])
     seen: list[str] = []
@@ -153,7 +153,7 @@ def test_reconciliation_quarantines_an_episode_it_cannot_write_back(
     am.url, am.resolve_grace_s = "http://alertmanager.example:9093", 0.0
 
     assert reconcile(bot.store, am, 1_790_000_200.0, lambda *args: seen.append(args[2])) == (0, 1)
-    assert [row["status"] for row in bot.store.query("SELECT status FROM episodes ORDER BY id")] == [
+    assert [row["status"] for row in bot.store.db.query("SELECT status FROM episodes ORDER BY id")] == [
         "quarantined",
         "firing",
     ]

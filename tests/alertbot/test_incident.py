@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from megatrace.alertbot.drilldown import DrilldownRunner
-from megatrace.alertbot.report import build_report
+from megatrace.alertbot.report import write_report
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.feishu_server import FeishuServer
 
@@ -70,7 +70,7 @@ def late_verdict_then_resolve(bot: Bot, gate: Path) -> None:
     runner.submit_pending()
     bot.drain()
     gate.touch()
-    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    wait_until(lambda: bot.store.outbox.queue_depth(), what="the verdict queued")
     bot.drain()
     bot.receive(webhook(job_hang("resolved"), *rank_hangs("resolved")), T0 + 300)
     bot.drain()
@@ -97,9 +97,9 @@ def test_app_channel_pages_once_and_updates_the_card_in_place(tmp_path: Path, fe
     assert title(resolved) == "[P0] RESOLVED: rank 5 hung on gpu-9 — job llm-7"
     assert resolved["header"]["template"] == "green" and "**Resolved** after 5m" in text(resolved)
     assert feishu.rejections == []
-    assert [r["state"] for r in bot.store.query("SELECT state FROM outbox")] == ["sent"] * 4
+    assert [r["state"] for r in bot.store.db.query("SELECT state FROM outbox")] == ["sent"] * 4
     # the report-only per-rank alerts have no card to put a verdict on: one drill-down, for the job's
-    assert [r["alertname"] for r in bot.store.query("SELECT alertname FROM drilldowns")] == [
+    assert [r["alertname"] for r in bot.store.db.query("SELECT alertname FROM drilldowns")] == [
         "MegatraceJobHang"
     ]
 
@@ -195,9 +195,9 @@ def test_incidents_whose_card_was_a_storm_close_and_a_new_hang_opens_a_new_one(t
     bot.receive(
         webhook(*({**h, "status": "resolved", "endsAt": "2026-09-21T12:00:00Z"} for h in hangs)), T0 + 60
     )
-    assert [row["closed_at"] for row in bot.store.query("SELECT * FROM incidents")] == [T0 + 60] * 3
+    assert [row["closed_at"] for row in bot.store.db.query("SELECT * FROM incidents")] == [T0 + 60] * 3
     bot.receive(webhook(alert(job="llm-2", rank="0", starts_at=T0 + 600)), T0 + 600)
-    assert len(bot.store.query("SELECT * FROM incidents")) == 4
+    assert len(bot.store.db.query("SELECT * FROM incidents")) == 4
 
 
 def test_a_node_name_from_the_verdict_replaces_a_scrape_address(tmp_path: Path) -> None:
@@ -209,7 +209,7 @@ def test_a_node_name_from_the_verdict_replaces_a_scrape_address(tmp_path: Path) 
     bot.receive(webhook(slow), T0)
     assert bot.delivery.deliver_due() == 1  # the rank is in the alert: no wait
     runner.submit_pending()
-    wait_until(lambda: bot.store.queue_depth(), what="the verdict queued")
+    wait_until(lambda: bot.store.outbox.queue_depth(), what="the verdict queued")
     bot.drain()
     first, update = bot.console()
     assert title(first["card"]) == "[P1] FIRING: rank 5 is slow on 10.0.0.7 — job llm-7"
@@ -230,9 +230,9 @@ def test_a_verdict_after_the_card_was_frozen_comes_as_its_update(
     feishu.fail("message", "server_error")
     bot.receive(webhook(job_hang()), T0)
     assert bot.delivery.deliver_due() == 1
-    assert bot.store.query("SELECT state FROM outbox")[0]["state"] == "pending"  # to be retried
-    (row,) = bot.store.pending_drilldowns()
-    runner.run(row["id"])
+    assert bot.store.db.query("SELECT state FROM outbox")[0]["state"] == "pending"  # to be retried
+    (row,) = bot.store.incidents.pending_drilldowns()
+    runner.run(row.id)
     bot.drain()
     (message,) = feishu.messages("oc_p0")
     assert title(message.body["content"]) == "[P0] FIRING: job llm-7 hangs — culprit not known yet"
@@ -262,8 +262,8 @@ def test_a_tied_verdict_names_both_ranks_and_why(tmp_path: Path, feishu: FeishuS
     runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
     bot.receive(webhook(job_hang(), *rank_hangs()), T0)
     bot.drain()
-    (row,) = bot.store.pending_drilldowns()
-    runner.run(row["id"])
+    (row,) = bot.store.incidents.pending_drilldowns()
+    runner.run(row.id)
     bot.drain()
     (message,) = feishu.messages("oc_p0")
     (update,) = feishu.select("update", message.message_id)
@@ -291,7 +291,7 @@ def test_incidents_on_postgresql(tmp_path: Path, pg_url: str) -> None:
         ("verdict", "[P0] FIRING: rank 3 hung on gpu-7 — job llm-7"),
         ("resolved", "[P0] RESOLVED: rank 3 hung on gpu-7 — job llm-7"),
     ]
-    summary = build_report(bot.store, T0 - 60, T0 + 3600, tmp_path / "week.xlsx")
+    summary = write_report(bot.store, T0 - 60, T0 + 3600, tmp_path / "week.xlsx")
     assert summary["total"] == 1
 
 
@@ -310,9 +310,9 @@ def test_a_lost_node_named_by_the_rules_keeps_the_card_whatever_the_drill_down_c
         "uncollected_ranks": [2, 3],
         "no_data": [{"reason": "agent on node-b (10.0.0.3:9452): timed out after 3 tries", "ranks": [2, 3]}],
     }
-    (page,) = bot.store.query("SELECT id FROM incidents WHERE level = 'P0'")
-    bot.store.set_incident(page["id"], verdict=json.dumps(verdict))
-    (row,) = bot.store.query("SELECT * FROM outbox WHERE kind = 'firing' AND level = 'P0'")
+    (page,) = bot.store.db.query("SELECT id FROM incidents WHERE level = 'P0'")
+    bot.store.incidents.update(page["id"], verdict=json.dumps(verdict))
+    (row,) = bot.store.outbox.find(kind="firing", level="P0")
     card = bot.delivery.render(row, T0 + 5)["card"]
     assert title(card) == "[P0] FIRING: rank 2 hung on node-b — job llm-7"
     body = text(card)

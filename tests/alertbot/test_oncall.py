@@ -80,8 +80,8 @@ def fire(bot: Service, am: str, feishu: FeishuServer, labels: dict[str, str]) ->
     post_to_alertmanager(am, labels)
     feishu.wait_for(lambda: len(feishu.messages()) > before)
     message = feishu.messages()[-1]
-    wait_until(lambda: bot.store.card_episodes(message.message_id), what="the card's send recorded")
-    episode = bot.store.query("SELECT * FROM episodes ORDER BY id DESC LIMIT 1")[0]
+    wait_until(lambda: bot.store.outbox.card_episodes(message.message_id), what="the card's send recorded")
+    episode = bot.store.db.query("SELECT * FROM episodes ORDER BY id DESC LIMIT 1")[0]
     return dict(episode), message.message_id
 
 
@@ -108,7 +108,9 @@ def test_claim_silence_note_through_the_card(oncall_bot, feishu: FeishuServer, t
     primary = rotation(bot.cfg.oncall, time.time())[0].open_id
     assert feishu.select("urgent_phone")[0].body["user_id_list"] == [primary]
     post_to_alertmanager(am, wider)  # joins the incident of `hang`: no card of its own
-    wait_until(lambda: len(bot.store.query("SELECT id FROM episodes")) == 2, what="the wider alert received")
+    wait_until(
+        lambda: len(bot.store.db.query("SELECT id FROM episodes")) == 2, what="the wider alert received"
+    )
 
     answer = sender.click(ALICE, {"episode": episode["id"], "action": "claim"}, message_id)
     assert answer.status_code == 200 and answer.json()["toast"]["type"] == "success"
@@ -118,7 +120,7 @@ def test_claim_silence_note_through_the_card(oncall_bot, feishu: FeishuServer, t
 
     answer = sender.click(BOB, {"episode": episode["id"], "action": "silence", "duration": "4h"}, message_id)
     assert answer.json()["toast"]["type"] == "success", answer.json()
-    silence_id = bot.store.episode(episode["id"])["silence_id"]
+    silence_id = bot.store.episodes.get(episode["id"]).silence_id
     silence = requests.get(f"{am}/api/v2/silence/{silence_id}", timeout=5).json()
     assert silence["status"]["state"] == "active" and silence["createdBy"] == "bob"
     assert {m["name"]: m["value"] for m in silence["matchers"]} == {**hang, "gpu": ""}
@@ -140,7 +142,7 @@ def test_claim_silence_note_through_the_card(oncall_bot, feishu: FeishuServer, t
     assert answer.json()["toast"]["type"] == "success"
     assert requests.get(f"{am}/api/v2/silence/{silence_id}", timeout=5).json()["status"]["state"] == "expired"
 
-    audit = [(a["actor_name"], a["action"]) for a in bot.store.actions_of(episode["id"])]
+    audit = [(a.actor_name, a.action) for a in bot.store.coordination.actions_of(episode["id"])]
     assert audit == [("alice", "claim"), ("bob", "silence"), ("carol", "note"), ("alice", "unsilence")]
     bot.delivery.flush_archive()
     rows = [row for r in feishu.select("sheet") for row in r.body["valueRange"]["values"]]
@@ -181,12 +183,12 @@ def test_refused_callbacks_change_nothing_and_are_logged(
     assert forged_token.click(ALICE, claim, message_id).status_code == 401
     off_roster = sender.click(MALLORY, claim, message_id)
     assert off_roster.json()["toast"]["type"] == "error"
-    assert bot.store.episode(episode["id"])["claimed_by"] is None
+    assert bot.store.episodes.get(episode["id"]).claimed_by is None
 
     assert sender.click(BOB, claim, message_id).json()["toast"]["type"] == "success"
     replayed = sender.replay()
     assert replayed.json()["toast"] == {"type": "error", "content": "This action was already received."}
-    assert [a["actor_name"] for a in bot.store.actions_of(episode["id"])] == ["bob"]
+    assert [a.actor_name for a in bot.store.coordination.actions_of(episode["id"])] == ["bob"]
     logged = caplog.text
     for reason in (
         "signature mismatch",
@@ -210,17 +212,17 @@ def test_escalation_in_compressed_time(oncall_bot, feishu: FeishuServer) -> None
         bot, am, feishu, {"alertname": "MegatraceRankHang", "severity": "P0", "job": "e"}
     )
     feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 1)
-    first = bot.store.escalations_of(episode["id"])[0]
-    order = [p.open_id for p in rotation(bot.cfg.oncall, first["at"])]
+    first = bot.store.coordination.escalations_of(episode["id"])[0]
+    order = [p.open_id for p in rotation(bot.cfg.oncall, first.at)]
 
-    assert bot.escalate(now=first["at"] + 599) == 0
-    assert bot.escalate(now=first["at"] + 601) == 1
-    assert bot.escalate(now=first["at"] + 602) == 0  # that step is taken: at most once
+    assert bot.escalate(now=first.at + 599) == 0
+    assert bot.escalate(now=first.at + 601) == 1
+    assert bot.escalate(now=first.at + 602) == 0  # that step is taken: at most once
     feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 2)
     assert feishu.select("urgent_phone")[1].body["user_id_list"] == [order[1]]
 
     sender.click(order[1], {"episode": episode["id"], "action": "claim"}, message_id)
-    assert bot.escalate(now=first["at"] + 5000) == 0  # claimed: no third call
+    assert bot.escalate(now=first.at + 5000) == 0  # claimed: no third call
     time.sleep(0.5)
     assert len(feishu.select("urgent_phone")) == 2
 
@@ -237,9 +239,9 @@ def test_escalation_in_compressed_time(oncall_bot, feishu: FeishuServer) -> None
         )
     )
     feishu.wait_for(lambda: len(feishu.select("urgent_phone")) == 3)
-    raised = bot.store.episode(p1["id"])
-    assert raised["level"] == "P0" and raised["escalated"] == 1
-    assert [a["action"] for a in bot.store.actions_of(p1["id"])] == ["raise"]
+    raised = bot.store.episodes.get(p1["id"])
+    assert raised.level == "P0" and raised.escalated == 1
+    assert [a.action for a in bot.store.coordination.actions_of(p1["id"])] == ["raise"]
 
 
 def test_weekly_rotation_with_overrides() -> None:
@@ -272,7 +274,7 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
         assert ws.connected.wait(20), feishu.summary()
         answer = ws.push(card_action_event("", BOB, {"episode": 1, "action": "claim"}, "om_1"))
         assert answer == {"code": 200, "data": {"toast": {"type": "success", "content": "claimed"}}}
-        assert bot.store.episode(1)["claimed_by"] == "bob"
+        assert bot.store.episodes.get(1).claimed_by == "bob"
         refused = ws.push(card_action_event("", MALLORY, {"episode": 1, "action": "claim"}, "om_1"))
         assert refused["data"]["toast"]["type"] == "error"
         elsewhere = ws.push(card_action_event("", BOB, {"episode": 1, "action": "note"}, "om_other"))
@@ -280,7 +282,7 @@ def test_long_connection_through_lark_oapi(tmp_path: Path, feishu: FeishuServer)
             "type": "error",
             "content": "message 'om_other' is not a card of this alert",
         }
-        assert [(a["actor_name"], a["source"]) for a in bot.store.actions_of(1)] == [
+        assert [(a.actor_name, a.source) for a in bot.store.coordination.actions_of(1)] == [
             ("bob", "long_connection")
         ]
         assert feishu.select("ws_endpoint")
@@ -344,9 +346,12 @@ def test_a_card_action_acts_only_on_its_own_cards_alert(oncall_bot, feishu: Feis
     assert sender.click(ALICE, {"episode": b["id"], "action": "claim"}, "om_unknown").json()["toast"][
         "type"
     ] == ("error")
-    assert bot.store.episode(b["id"])["claimed_by"] is None and bot.store.actions_of(b["id"]) == []
+    assert (
+        bot.store.episodes.get(b["id"]).claimed_by is None
+        and bot.store.coordination.actions_of(b["id"]) == []
+    )
     assert (
         sender.click(ALICE, {"episode": b["id"], "action": "claim"}, card_b).json()["toast"]["type"]
         == "success"
     )
-    assert bot.store.episode(a["id"])["claimed_by"] is None
+    assert bot.store.episodes.get(a["id"]).claimed_by is None

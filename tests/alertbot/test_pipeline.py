@@ -18,7 +18,7 @@ T0 = 1_790_000_000.0
 
 
 def kinds(bot: Bot) -> list[tuple[str, str]]:
-    return [(r["kind"], r["state"]) for r in bot.store.query("SELECT * FROM outbox ORDER BY id")]
+    return [(r["kind"], r["state"]) for r in bot.store.db.query("SELECT * FROM outbox ORDER BY id")]
 
 
 def test_ha_duplicates_give_one_notification(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_ha_duplicates_give_one_notification(tmp_path: Path) -> None:
     bot.receive(webhook(hang), T0 + 1)  # the second Alertmanager of the HA pair
     bot.drain()
     assert kinds(bot) == [("firing", "sent")]
-    episode = bot.store.query("SELECT * FROM episodes")[0]
+    episode = bot.store.db.query("SELECT * FROM episodes")[0]
     assert episode["duplicates"] == 1
     sent = bot.console()
     assert len(sent) == 1 and sent[0]["card"]["header"]["template"] == "red"
@@ -53,7 +53,7 @@ def test_resolved_arriving_first_reports_the_whole_episode_once(tmp_path: Path) 
     bot.receive(webhook(alert(job="llm")), T0 + 131)  # the firing webhook, out of order
     bot.drain()
     assert kinds(bot) == [("resolved", "sent")]
-    assert bot.store.query("SELECT status FROM episodes")[0]["status"] == "resolved"
+    assert bot.store.db.query("SELECT status FROM episodes")[0]["status"] == "resolved"
 
 
 def test_repeat_interval_and_recurrence(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_repeat_interval_and_recurrence(tmp_path: Path) -> None:
     bot.receive(webhook(again), T0 + 5000)
     bot.drain()
     assert [k for k, _ in kinds(bot)] == ["firing", "repeat", "resolved", "firing"]
-    episodes = bot.store.query("SELECT recurrence FROM episodes ORDER BY id")
+    episodes = bot.store.db.query("SELECT recurrence FROM episodes ORDER BY id")
     assert [e["recurrence"] for e in episodes] == [0, 1]
     last = bot.console()[-1]["card"]["elements"][0]["text"]["content"]
     assert "**Recurrence**: #2 of this alert" in last
@@ -87,7 +87,7 @@ def test_flapping_alert_is_held_back_and_dropped_when_it_resolves_in_time(tmp_pa
     rows = kinds(bot)
     assert rows[:4] == [("firing", "sent"), ("resolved", "sent"), ("firing", "sent"), ("resolved", "sent")]
     assert rows[4:] == [("firing", "suppressed")]  # third episode: flapping, resolved while held
-    flapping = bot.store.query("SELECT flapping FROM episodes ORDER BY id")
+    flapping = bot.store.db.query("SELECT flapping FROM episodes ORDER BY id")
     assert [f["flapping"] for f in flapping] == [0, 0, 1]
     assert bot.metrics.suppressed._value.get() == 1
 
@@ -210,7 +210,7 @@ def test_escalation_raises_recurring_alert_one_level(tmp_path: Path) -> None:
             webhook(alert("GpuThrottled", "resolved", start, start + 60, "P2", instance="gpu-1:9450")),
             start + 60,
         )
-    levels = bot.store.query("SELECT level, escalated FROM episodes ORDER BY id")
+    levels = bot.store.db.query("SELECT level, escalated FROM episodes ORDER BY id")
     assert [(r["level"], r["escalated"]) for r in levels] == [("P2", 0), ("P2", 0), ("P1", 1), ("P1", 1)]
     bot.drain()
     raised = [m for m in bot.console() if "raised to P1" in m["card"]["elements"][0]["text"]["content"]]
@@ -221,7 +221,7 @@ def test_p3_goes_to_the_report_only(tmp_path: Path) -> None:
     bot = Bot(config(tmp_path))
     bot.receive(webhook(alert("NodeInfo", severity="info", instance="gpu-1:9450")), T0)
     assert kinds(bot) == []
-    assert bot.store.query("SELECT level FROM episodes")[0]["level"] == "P3"
+    assert bot.store.db.query("SELECT level FROM episodes")[0]["level"] == "P3"
 
 
 def test_grading_words_policy_and_default(tmp_path: Path) -> None:
@@ -283,7 +283,7 @@ def test_webhook_nanoseconds_and_api_milliseconds_are_one_episode(tmp_path: Path
     from_webhook["startsAt"] = "2026-09-21T10:00:00.123987654Z"
     bot.receive(webhook(from_webhook), T0)
     bot.receive(webhook({**from_webhook, "startsAt": "2026-09-21T10:00:00.123Z"}), T0 + 1)
-    (episode,) = bot.store.query("SELECT * FROM episodes")
+    (episode,) = bot.store.db.query("SELECT * FROM episodes")
     assert episode["duplicates"] == 1
 
 
@@ -333,7 +333,7 @@ def test_every_storm_member_is_on_the_sheet_and_reachable_from_the_storm_card(
     bot.receive(webhook(*members), T0)
     bot.drain()
     bot.delivery.flush_archive()
-    [storm] = bot.store.query("SELECT id FROM storms")
+    [storm] = bot.store.db.query("SELECT id FROM storms")
     card = [
         p.body["card"]
         for p in feishu.bot_posts(hook)

@@ -89,7 +89,7 @@ def test_malformed_bodies_get_400_with_reason(service: Service, body: bytes, rea
     answer = requests.post(url(service, "/alertmanager"), data=body, headers=AUTH, timeout=5)
     assert answer.status_code == 400
     assert reason in answer.json()["error"]
-    assert service.store.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
+    assert service.store.db.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
     assert requests.get(url(service, "/healthz"), timeout=5).status_code == 200
 
 
@@ -111,7 +111,7 @@ def test_health_metrics_and_console_delivery(service: Service) -> None:
         assert requests.post(url(service, "/alertmanager"), data=body, headers=AUTH, timeout=5).ok
     console = Path(service.cfg.delivery.console_path)
     wait_until(
-        lambda: not service.store.unprocessed_inbox() and not service.store.queue_depth(),
+        lambda: not service.store.inbox.unprocessed() and not service.store.outbox.queue_depth(),
         what="console delivery",
     )
     (line,) = console_lines(console)
@@ -225,7 +225,7 @@ def test_real_alertmanager_routes_firing_and_resolved_to_feishu(
             assert resolved["header"]["title"]["content"] == "[P1] RESOLVED: rank 2 is slow — job llm-2"
             time.sleep(1.5)  # several reconciliation rounds
             assert len(feishu.bot_posts(hook)) == 3 and feishu.rejections == []
-            episodes = bot.store.query("SELECT status FROM episodes ORDER BY id")
+            episodes = bot.store.db.query("SELECT status FROM episodes ORDER BY id")
             assert sorted(e["status"] for e in episodes) == ["firing", "resolved"]
         finally:
             bot.stop()
@@ -256,7 +256,7 @@ def test_reconciliation_catches_missed_webhooks_and_silences_work(tmp_path: Path
             post_to_alertmanager(am, hang, ends_at=time.time() - 1)
             wait_until(lambda: len(console_lines(console)) == 2, what="reconciled resolve")
             assert console_lines(console)[1]["card"]["header"]["title"]["content"].startswith("[P0] RESOLVED")
-            sources = [r["source"] for r in bot.store.query("SELECT source FROM inbox")]
+            sources = [r["source"] for r in bot.store.db.query("SELECT source FROM inbox")]
             assert set(sources) == {"reconcile"}
 
             request = {

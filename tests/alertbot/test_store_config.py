@@ -13,7 +13,7 @@ import pytest
 
 from megatrace.alertbot.config import cron_trigger, load
 from megatrace.alertbot.feishu import FeishuApp
-from megatrace.alertbot.store import MIGRATIONS, Store, StoreError
+from megatrace.alertbot.store import MIGRATIONS, StoreError, sqlite_store
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
 from tests.alertbot.conftest import Bot, alert, config, webhook
@@ -23,33 +23,33 @@ T0 = 1_790_000_000.0
 
 
 def test_store_is_wal_and_migrated_once(tmp_path: Path) -> None:
-    store = Store(tmp_path / "db" / "bot.db")
-    assert store.journal_mode() == "wal"
-    assert store.schema_version() == len(MIGRATIONS)
-    store.add_inbox("webhook", "{}", T0)
+    store = sqlite_store(tmp_path / "db" / "bot.db")
+    assert store.db.journal_mode() == "wal"
+    assert store.db.schema_version() == len(MIGRATIONS)
+    store.inbox.add("webhook", "{}", T0)
     store.close()
-    again = Store(tmp_path / "db" / "bot.db")
-    assert again.schema_version() == len(MIGRATIONS)
-    assert len(again.query("SELECT * FROM inbox")) == 1
-    assert [r[0] for r in again.query("SELECT version FROM schema_version")] == list(
+    again = sqlite_store(tmp_path / "db" / "bot.db")
+    assert again.db.schema_version() == len(MIGRATIONS)
+    assert len(again.db.query("SELECT * FROM inbox")) == 1
+    assert [r[0] for r in again.db.query("SELECT version FROM schema_version")] == list(
         range(1, len(MIGRATIONS) + 1)
     )
 
 
 def test_store_refuses_a_newer_schema(tmp_path: Path) -> None:
-    store = Store(tmp_path / "bot.db")
-    store.execute("INSERT INTO schema_version (version) VALUES (?)", (len(MIGRATIONS) + 1,))
+    store = sqlite_store(tmp_path / "bot.db")
+    store.db.run("INSERT INTO schema_version (version) VALUES (?)", (len(MIGRATIONS) + 1,))
     store.close()
     with pytest.raises(RuntimeError, match="newer than this bot"):
-        Store(tmp_path / "bot.db")
+        sqlite_store(tmp_path / "bot.db")
 
 
 def test_failed_transaction_leaves_nothing(tmp_path: Path) -> None:
-    store = Store(tmp_path / "bot.db")
+    store = sqlite_store(tmp_path / "bot.db")
     with pytest.raises(ZeroDivisionError), store.transaction():
-        store.add_inbox("webhook", "{}", T0)
+        store.inbox.add("webhook", "{}", T0)
         _ = 1 / 0
-    assert store.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
+    assert store.db.query("SELECT COUNT(*) FROM inbox")[0][0] == 0
 
 
 def test_retention_deletes_finished_history_only(tmp_path: Path) -> None:
@@ -58,12 +58,12 @@ def test_retention_deletes_finished_history_only(tmp_path: Path) -> None:
     bot.receive(webhook(alert(job="old", status="resolved", starts_at=T0, ends_at=T0 + 60)), T0 + 60)
     bot.drain()
     bot.receive(webhook(alert(job="open", starts_at=T0)), T0)  # still firing: kept
-    bot.store.execute("UPDATE outbox SET not_before = 1e12 WHERE state = 'pending'")  # undelivered: kept
+    bot.store.db.run("UPDATE outbox SET not_before = 1e12 WHERE state = 'pending'")  # undelivered: kept
     counts = bot.store.purge(T0 + 86400)
     assert counts["episodes"] == 1 and counts["outbox"] == 2 and counts["inbox"] == 3
-    left = bot.store.query("SELECT labels FROM episodes")
+    left = bot.store.db.query("SELECT labels FROM episodes")
     assert [json.loads(r["labels"])["job"] for r in left] == ["open"]
-    assert bot.store.queue_depth() == 1
+    assert bot.store.outbox.queue_depth() == 1
 
 
 def test_in_doubt_group_bot_post_is_checked_in_chat_history(tmp_path: Path, feishu: FeishuServer) -> None:
@@ -81,14 +81,14 @@ def test_in_doubt_group_bot_post_is_checked_in_chat_history(tmp_path: Path, feis
     )
     bot = Bot(cfg)
     bot.receive(webhook(alert(job="a"), alert("MegatraceSlowRank", severity="P1", job="b")))
-    rows = bot.store.due_outbox(1e12)
+    rows = bot.store.outbox.due(1e12)
     for row in rows:  # the process "dies" after starting both sends; only the P0 one reached Feishu
         message = bot.delivery.render(row, T0)
-        bot.store.begin_attempt(row["id"], T0, message)
-        if row["level"] == "P0":
+        bot.store.outbox.begin_attempt(row.id, T0, message)
+        if row.level == "P0":
             assert bot.delivery.send(row, message).ok
     assert bot.delivery.recover() == 2
-    states = {r["level"]: r["state"] for r in bot.store.query("SELECT * FROM outbox")}
+    states = {r["level"]: r["state"] for r in bot.store.db.query("SELECT * FROM outbox")}
     assert states == {"P0": "sent", "P1": "pending"}  # P1's bot has no chat_id: re-sent (at least once)
     bot.drain()
     assert len(feishu.bot_posts(hook)) == 1 and len(feishu.bot_posts()) == 2
@@ -112,14 +112,14 @@ def test_in_doubt_post_is_found_past_the_first_page_of_chat_history(
     for i in range(60):  # a busy chat: the card lands on the second page of its history
         assert chatter.send_message("oc_busy", "text", {"text": f"chatter {i}"}, f"chatter-{i}").ok
     bot.receive(webhook(alert(job="a")))
-    [row] = bot.store.due_outbox(1e12)
+    [row] = bot.store.outbox.due(1e12)
     message = bot.delivery.render(row, T0)
-    bot.store.begin_attempt(row["id"], T0, message)
+    bot.store.outbox.begin_attempt(row.id, T0, message)
     assert bot.delivery.send(row, message).ok  # reached Feishu, then the process was killed
     for i in range(60, 63):
         assert chatter.send_message("oc_busy", "text", {"text": f"chatter {i}"}, f"chatter-{i}").ok
     assert bot.delivery.recover() == 1
-    assert [r["state"] for r in bot.store.query("SELECT state FROM outbox")] == ["sent"]
+    assert [r["state"] for r in bot.store.db.query("SELECT state FROM outbox")] == ["sent"]
     bot.drain()
     assert len(feishu.bot_posts(hook)) == 1
 
@@ -192,30 +192,30 @@ def test_report_cron_reads_weekdays_as_cron_does(tmp_path: Path) -> None:
 def test_read_only_store_reads_and_refuses_to_write(tmp_path: Path) -> None:
     bot = Bot(config(tmp_path))
     bot.receive(webhook(alert(job="llm")), T0)
-    reader = Store(bot.cfg.store.path, read_only=True)
+    reader = sqlite_store(bot.cfg.store.path, read_only=True)
     try:
-        assert [r["status"] for r in reader.episodes_between(T0 - 60, T0 + 60)] == ["firing"]
+        assert [r.status for r in reader.episodes.between(T0 - 60, T0 + 60)] == ["firing"]
         with pytest.raises(sqlite3.OperationalError, match="readonly"):
-            reader.execute("DELETE FROM episodes")
+            reader.db.run("DELETE FROM episodes")
     finally:
         reader.close()
-    assert len(bot.store.query("SELECT * FROM episodes")) == 1
+    assert len(bot.store.db.query("SELECT * FROM episodes")) == 1
     with pytest.raises(StoreError, match="no alert bot database"):
-        Store(tmp_path / "missing.db", read_only=True)
+        sqlite_store(tmp_path / "missing.db", read_only=True)
     (tmp_path / "other.db").write_bytes(b"not a database at all" * 100)
     with pytest.raises(StoreError, match="not an alert bot database"):
-        Store(tmp_path / "other.db", read_only=True)
+        sqlite_store(tmp_path / "other.db", read_only=True)
     assert not (tmp_path / "missing.db").exists()
 
 
 def test_a_row_is_claimed_by_one_sender_only(tmp_path: Path) -> None:
     bot = Bot(config(tmp_path))
     bot.receive(webhook(alert(job="llm")), T0)
-    other = Store(bot.cfg.store.path)  # a second process sharing the database
-    (row,) = bot.store.due_outbox(1e12)
+    other = sqlite_store(bot.cfg.store.path)  # a second process sharing the database
+    (row,) = bot.store.outbox.due(1e12)
     message = bot.delivery.render(row, T0)
-    assert other.begin_attempt(row["id"], T0, message) is not None
-    assert bot.store.begin_attempt(row["id"], T0, message) is None
+    assert other.outbox.begin_attempt(row.id, T0, message) is not None
+    assert bot.store.outbox.begin_attempt(row.id, T0, message) is None
     assert bot.delivery.deliver_due(T0 + 1) == 0 and bot.console() == []
-    assert len(bot.store.attempts_of(row["id"])) == 1
+    assert len(bot.store.outbox.attempts_of(row.id)) == 1
     other.close()

@@ -37,14 +37,14 @@ def test_the_worker_survives_a_store_failure_between_rounds(
 ) -> None:
     bot = Service(config(tmp_path))
     failures = iter(range(3))
-    next_due = bot.store.next_due
+    next_due = bot.store.outbox.next_due
 
     def flaky() -> float | None:
         if next(failures, None) is not None:
             raise sqlite3.OperationalError("database is locked")
         return next_due()
 
-    monkeypatch.setattr(bot.store, "next_due", flaky)
+    monkeypatch.setattr(bot.store.outbox, "next_due", flaky)
     bot.start()
     try:
         body = json.dumps(webhook(alert(job="llm", rank="1")))
@@ -179,7 +179,7 @@ def test_liveness_does_not_queue_on_a_store_known_to_be_down(
     bot.start()
     try:
         wait_until(lambda: bot._round_error is not None, what="a round failed on the store")
-        monkeypatch.setattr(bot.store, "queue_depth", hanging)
+        monkeypatch.setattr(bot.store.outbox, "queue_depth", hanging)
         answer = requests.get(f"http://127.0.0.1:{bot.port}/healthz", timeout=5)
         assert (answer.status_code, answer.json()["status"]) == (200, "store unavailable")
     finally:

@@ -5,20 +5,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatrace.alertbot.store import Store
+from megatrace.alertbot.kinds import DrilldownState, NotificationKind, OutboxState
+from megatrace.alertbot.store import sqlite_store
+from megatrace.alertbot.store.records import NewNotification
 from megatrace.demo import bot_diagnostics, card_text
 
 
 def test_diagnostics_name_stuck_drilldowns_undelivered_messages_and_log_errors(tmp_path: Path) -> None:
-    store = Store(tmp_path / "alertbot.sqlite3")
-    hang = store.add_drilldown("demo-hang", "MegatraceRankHang", 1, now=1000.0)
-    store.set_drilldown(hang, state="done", result=json.dumps({"verdict": "hang", "suspects": []}))
-    store.add_drilldown("demo-slow", "MegatraceSlowRank", 2, now=1100.0)
-    sent = {"kind": "firing", "channel": "console", "destination": "-", "level": "P1", "created_at": 1.0}
-    first = store.enqueue(sent | {"idem_key": "a", "not_before": 1.0})
-    store.set_outbox(first, state="sent")
-    failing = store.enqueue(sent | {"kind": "drilldown", "idem_key": "b", "not_before": 1.0})
-    store.set_outbox(failing, attempts=3, last_error="HTTP 502")
+    store = sqlite_store(tmp_path / "alertbot.sqlite3")
+    hang = store.incidents.add_drilldown("demo-hang", "MegatraceRankHang", 1, now=1000.0)
+    store.incidents.update_drilldown(
+        hang, state=DrilldownState.DONE, result=json.dumps({"verdict": "hang", "suspects": []})
+    )
+    store.incidents.add_drilldown("demo-slow", "MegatraceSlowRank", 2, now=1100.0)
+    sent = {"channel": "console", "destination": "-", "level": "P1", "created_at": 1.0, "not_before": 1.0}
+    first = store.outbox.enqueue(NewNotification(kind=NotificationKind.FIRING, idem_key="a", **sent))
+    assert first is not None
+    store.outbox.update(first, state=OutboxState.SENT)
+    failing = store.outbox.enqueue(NewNotification(kind=NotificationKind.VERDICT, idem_key="b", **sent))
+    assert failing is not None
+    store.outbox.update(failing, attempts=3, last_error="HTTP 502")
     store.close()
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "alertbot.log").write_text(
@@ -33,7 +39,7 @@ def test_diagnostics_name_stuck_drilldowns_undelivered_messages_and_log_errors(t
 
     assert lines[0] == "drill-down 1 of job demo-hang (MegatraceRankHang): done, requested 160s ago; hang"
     assert lines[1] == "drill-down 2 of job demo-slow (MegatraceSlowRank): pending, requested 60s ago"
-    assert lines[2] == "message 2 (drilldown P1): pending after 3 attempt(s); HTTP 502"
+    assert lines[2] == "message 2 (verdict P1): pending after 3 attempt(s); HTTP 502"
     assert lines[3].startswith("alertbot.log: ") and "drill-down 2 failed" in lines[3]
     assert lines[4:6] == [
         "alertbot.log: Traceback (most recent call last):",

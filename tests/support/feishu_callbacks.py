@@ -32,7 +32,9 @@ from Crypto.Cipher import AES
 from lark_oapi.ws.pb.pbbp2_pb2 import Frame
 from websockets.sync.server import ServerConnection, serve
 
+from megatrace.alertbot.kinds import EpisodeStatus, NotificationKind
 from megatrace.alertbot.store import Store
+from megatrace.alertbot.store.records import NewEpisode, NewNotification
 
 
 def encrypt(encrypt_key: str, plain: dict[str, Any]) -> str:
@@ -200,34 +202,39 @@ def alert_with_card(store: Store, message_id: str, alertname: str = "MegatraceRa
     """An alert episode and its card, recorded as sent as message `message_id` (a card action names
     the card it came from); returns the episode's id. For tests that click without a real send."""
     with store.transaction():
-        episode = store.insert_episode(
-            {
-                "fingerprint": f"f-{message_id}",
-                "starts_at": 1.0,
-                "alertname": alertname,
-                "labels": "{}",
-                "annotations": "{}",
-                "generator_url": "",
-                "external_url": "",
-                "status": "firing",
-                "severity": "P0",
-                "level": "P0",
-                "first_seen": 1.0,
-                "last_seen": 1.0,
-            }
-        )
-        card = store.enqueue(
-            {
-                "kind": "firing",
-                "episode_id": episode,
-                "channel": "app",
-                "destination": "oc_p0",
-                "level": "P0",
-                "idem_key": f"card-{message_id}",
-                "created_at": 1.0,
-                "not_before": 1.0,
-            }
+        episode = store.episodes.insert(
+            NewEpisode(
+                fingerprint=f"f-{message_id}",
+                starts_at=1.0,
+                alertname=alertname,
+                labels={},
+                annotations={},
+                generator_url="",
+                external_url="",
+                status=EpisodeStatus.FIRING,
+                severity="P0",
+                level="P0",
+                escalated=False,
+                recurrence=0,
+                recent=0,
+                flapping=False,
+                first_seen=1.0,
+                last_seen=1.0,
+                ends_at=None,
+            )
+        ).id
+        card = store.outbox.enqueue(
+            NewNotification(
+                kind=NotificationKind.FIRING,
+                channel="app",
+                destination="oc_p0",
+                level="P0",
+                idem_key=f"card-{message_id}",
+                created_at=1.0,
+                not_before=1.0,
+                episode_id=episode,
+            )
         )
         assert card is not None
-        store.set_outbox(card, state="sent", message_id=message_id)
+        store.outbox.update(card, state="sent", message_id=message_id)
     return episode
