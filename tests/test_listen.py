@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatrace.config import ConfigError
+from megatrace.exporters.settings import load
 from megatrace.listen import parse_host_port
 
 
@@ -62,3 +64,13 @@ def test_bad_addresses_say_why(value: str, reason: str) -> None:
 def test_not_text_is_refused() -> None:
     with pytest.raises(ValueError, match="as text, got int"):
         parse_host_port(9450)  # type: ignore[arg-type]
+
+
+def test_the_agent_refuses_an_unbracketed_ipv6_listen_address() -> None:
+    with pytest.raises(ConfigError, match="key 'listen': an IPv6 host goes in brackets"):
+        load(None, {"listen": "::1:9450"}, environ={})
+    with pytest.raises(ConfigError, match="key 'trace_listen': expected an IPv6 address in brackets"):
+        load(None, {"trace_listen": "[node-a]:9452"}, environ={})
+    assert (
+        load(None, {"trace_listen": "[::1]:9452"}, environ={}).settings("traces").trace_listen == "[::1]:9452"
+    )
