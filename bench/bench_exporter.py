@@ -165,7 +165,7 @@ def serve_with_fake_gpus(listen: str, sysfs: str) -> None:
     from megatrace.exporters.guard import GuardedCollectors
     from megatrace.exporters.infiniband import InfinibandCollector
     from megatrace.exporters.server import MetricsServer
-    from megatrace.exporters.settings import parse_listen
+    from megatrace.listen import parse_host_port
     from tests.support.fake_pynvml import FakeGpu, FakeNvml
 
     gpus = [
@@ -179,7 +179,7 @@ def serve_with_fake_gpus(listen: str, sysfs: str) -> None:
     guarded = GuardedCollectors(
         {"gpu": GpuCollector(FakeNvml(gpus)), "infiniband": InfinibandCollector(sysfs)}
     )
-    MetricsServer(parse_listen(listen), build_registry(guarded)).serve_forever()
+    MetricsServer(parse_host_port(listen), build_registry(guarded)).serve_forever()
 
 
 def main() -> int:

@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
-from megatrace.exporters.collectors import COLLECTORS, DEFAULT_COLLECTORS, build
+from megatrace.exporters.collector_settings import add_flags, flag_values
+from megatrace.exporters.collectors import COLLECTORS, build, default_collectors
 from megatrace.exporters.guard import Collector, GuardedCollectors
 from megatrace.exporters.server import MetricsServer
-from megatrace.exporters.settings import DEFAULT_PORT, ExporterConfig, load, parse_listen
+from megatrace.exporters.settings import DEFAULT_PORT, ExporterConfig, load
+from megatrace.listen import parse_host_port
 
 if TYPE_CHECKING:
     from megatrace.exporters.trace_retention import RetentionThread
@@ -50,7 +52,7 @@ def run(config: ExporterConfig) -> int:
     except (OSError, ValueError) as exc:
         log.error("cannot start the agent: %s", exc)
         return 1
-    host, port = parse_listen(config.listen)
+    host, port = parse_host_port(config.listen)
     try:
         server = MetricsServer(
             (host, port), build_registry(guarded), config.read_timeout_s, config.max_connections
@@ -87,32 +89,27 @@ def start_retention(config: ExporterConfig) -> RetentionThread | None:
     """Remove finished jobs' trace folders in the background, when the agent watches traces."""
     if "tracer" not in config.collectors:
         return None
-    max_age_s = config.trace_retention_hours * 3600 if config.trace_retention_hours else float("inf")
-    if max_age_s == float("inf") and not config.trace_max_bytes:
+    tracer = config.settings("tracer")
+    max_age_s = tracer.trace_retention_hours * 3600 if tracer.trace_retention_hours else float("inf")
+    if max_age_s == float("inf") and not tracer.trace_max_bytes:
         return None
     from megatrace.exporters.trace_retention import RetentionThread
 
     retention = RetentionThread(
-        config.trace_dir, max_age_s, config.trace_max_bytes, config.tracer_grace_seconds
+        tracer.trace_dir, max_age_s, tracer.trace_max_bytes, tracer.tracer_grace_seconds
     )
     retention.start()
     return retention
 
 
+def overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given as flags: the agent's own and every collector's."""
+    given = {key: getattr(args, key) for key in ("listen", "collectors") if getattr(args, key) is not None}
+    return given | flag_values(args)
+
+
 def handle(args: argparse.Namespace) -> int:
-    overrides: dict[str, Any] = {}
-    for key in (
-        "listen",
-        "sysfs_root",
-        "trace_dir",
-        "collectors",
-        "tracer_grace_seconds",
-        "podresources_socket",
-    ):
-        value = getattr(args, key)
-        if value is not None:
-            overrides[key] = value
-    return run(load(args.config, overrides))
+    return run(load(args.config, overrides(args)))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -128,28 +125,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--listen", metavar="HOST:PORT", help=f"address to serve on (default 0.0.0.0:{DEFAULT_PORT})"
     )
     parser.add_argument(
-        "--sysfs-root", dest="sysfs_root", metavar="DIR", help="sysfs mount point (default /sys)"
-    )
-    parser.add_argument(
-        "--trace-dir", dest="trace_dir", metavar="DIR", help="tracer directory (default /run/megatrace)"
-    )
-    parser.add_argument(
         "--collectors",
         metavar="LIST",
         help=f"comma-separated collectors to enable, of {','.join(COLLECTORS)} "
-        f"(default {','.join(DEFAULT_COLLECTORS)})",
+        f"(default {','.join(default_collectors())})",
     )
-    parser.add_argument(
-        "--tracer-grace",
-        dest="tracer_grace_seconds",
-        type=float,
-        metavar="SECONDS",
-        help="how long finished or dead ranks stay exported (default 300)",
-    )
-    parser.add_argument(
-        "--podresources-socket",
-        dest="podresources_socket",
-        metavar="PATH",
-        help='kubelet PodResources socket for GPU pod attribution ("" turns it off)',
-    )
+    add_flags(parser.add_argument_group("collector settings"))
     parser.set_defaults(func=handle)

@@ -11,15 +11,15 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from megatrace.exporters.collector_settings import setting
 from megatrace.exporters.families import FamilySet
 from megatrace.exporters.guard import CollectorDown
-from megatrace.exporters.podresources import PodLookup
+from megatrace.exporters.podresources import PodLookup, configured_lookup, socket_setting
 from megatrace.exporters.xid import XidWatcher
 
 if TYPE_CHECKING:
@@ -389,11 +389,24 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-def build(config: ExporterConfig, nvml: Any = None) -> GpuCollector:
-    """The agent's GPU collector (`collectors` table entry "gpu"), started."""
-    from megatrace.exporters.podresources import pod_lookup
+@dataclass(frozen=True)
+class GpuSettings:
+    """The GPU collector's keys."""
 
-    pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
-    gpu = GpuCollector(nvml, pods=pods, xid_wait_ms=config.xid_wait_ms)
+    podresources_socket: str = socket_setting()
+    xid_wait_ms: int = setting(500, "timeout of each NVML event wait of the XID watcher", metavar="MS")
+
+    def problems(self, enabled: bool) -> list[str]:
+        return ["key 'xid_wait_ms': must be at least 1"] if self.xid_wait_ms < 1 else []
+
+
+SETTINGS = GpuSettings
+
+
+def build(settings: GpuSettings, agent: ExporterConfig, nvml: Any = None) -> GpuCollector:
+    """The agent's GPU collector (`collectors` table entry "gpu"), started."""
+    gpu = GpuCollector(
+        nvml, pods=configured_lookup(settings.podresources_socket), xid_wait_ms=settings.xid_wait_ms
+    )
     gpu.start()
     return gpu

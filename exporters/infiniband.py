@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatrace.exporters.collector_settings import setting
 from megatrace.exporters.families import PREFIX, FixedSeriesFamily, series_text
 from megatrace.regular_files import open_regular
 
@@ -455,6 +456,16 @@ class InfinibandCollector:
                 self._layout = None
 
 
-def build(config: ExporterConfig, nvml: object = None) -> InfinibandCollector:
+@dataclasses.dataclass(frozen=True)
+class InfinibandSettings:
+    """The InfiniBand/RoCE collector's keys."""
+
+    sysfs_root: str = setting("/sys", "sysfs mount point", metavar="DIR")
+
+
+SETTINGS = InfinibandSettings
+
+
+def build(settings: InfinibandSettings, agent: ExporterConfig, nvml: object = None) -> InfinibandCollector:
     """The agent's InfiniBand/RoCE collector (`collectors` table entry "infiniband")."""
-    return InfinibandCollector(config.sysfs_root)
+    return InfinibandCollector(settings.sysfs_root)

@@ -12,9 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
+
+from megatrace.exporters.collector_settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,23 @@ def gpu_owners(response: bytes) -> dict[str, tuple[str, str, str]]:
                     for device_id in devices.device_ids:
                         owners[device_id] = (pod.namespace, pod.name, container.name)
     return owners
+
+
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+def socket_setting() -> Any:
+    """The ``podresources_socket`` key, for the settings of every collector that attributes GPUs."""
+    return setting(
+        DEFAULT_SOCKET,
+        'kubelet PodResources socket for GPU pod attribution ("" turns it off)',
+        metavar="PATH",
+    )
+
+
+def configured_lookup(socket: str) -> PodLookup | None:
+    """The pod lookup through the configured socket; None when attribution is off (``""``)."""
+    return pod_lookup(Path(socket)) if socket else None
 
 
 def pod_lookup(socket_path: Path, timeout: float = 2.0) -> PodLookup:

@@ -1,4 +1,9 @@
-"""Configuration of the node agent: YAML file, ``MEGATRACE_EXPORTER_*`` environment, then flags."""
+"""Configuration of the node agent: YAML file, ``MEGATRACE_EXPORTER_*`` environment, then flags.
+
+The agent's own keys (address, collectors, connection limits, node name) are declared here; every
+other key belongs to a collector, declared in its module's ``SETTINGS`` and gathered from the
+collectors table (`megatrace.exporters.collector_settings`). All keys are top-level keys.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from megatrace.config import ConfigError, load_config
-from megatrace.exporters.collectors import COLLECTORS, DEFAULT_COLLECTORS
+from megatrace.exporters.collector_settings import declared_keys
+from megatrace.exporters.collectors import COLLECTORS, default_collectors, settings_type
 from megatrace.exporters.http_limits import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+from megatrace.listen import parse_host_port
 
 DEFAULT_PORT = 9450
-DEFAULT_TRACE_PORT = 9452
 ENV_PREFIX = "MEGATRACE_EXPORTER_"
 
 
 @dataclasses.dataclass
-class ExporterConfig:
-    """What `megatrace exporter` serves and where it reads from."""
+class AgentSettings:
+    """The agent's own keys: what it serves /metrics on, which collectors it runs, its HTTP limits."""
 
     listen: str = f"0.0.0.0:{DEFAULT_PORT}"
     # A list, or one comma-separated string (handy in MEGATRACE_EXPORTER_COLLECTORS=gpu,tracer).
-    collectors: list[str] | str = dataclasses.field(default_factory=lambda: list(DEFAULT_COLLECTORS))
-    sysfs_root: str = "/sys"
-    trace_dir: str = "/run/megatrace"
-    # Seconds a finished or dead rank's series stay exported (with rank_alive=0) before they are dropped.
-    tracer_grace_seconds: float = 300.0
-    # kubelet PodResources socket; GPUs get pod attribution when it exists, "" turns attribution off.
-    podresources_socket: str = "/var/lib/kubelet/pod-resources/kubelet.sock"
-    xid_wait_ms: int = 500
-    # Finished jobs' folders under trace_dir are removed after this many hours (0 keeps them)...
-    trace_retention_hours: float = 72.0
-    # ...and, oldest first, while all job folders together hold more than this (0: no size limit).
-    trace_max_bytes: int = 2 << 30
-    # The trace endpoint (collector "traces"): its own address, so that a NetworkPolicy can let only
-    # the alert bot reach it, and the file holding the bearer token every request must carry.
-    trace_listen: str = f"0.0.0.0:{DEFAULT_TRACE_PORT}"
-    trace_token_file: str = ""
-    # Most records one ring window may hold, most bytes one dump may have, requests served at once.
-    trace_max_records: int = 200_000
-    trace_max_response_bytes: int = 64 << 20
-    trace_max_concurrent: int = 4
+    collectors: list[str] | str = dataclasses.field(default_factory=default_collectors)
     # Both HTTP servers (/metrics, the trace endpoint): seconds a client has to send its request
     # line and headers, and the most connections each keeps open (see megatrace.exporters.http_limits).
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
@@ -50,55 +37,82 @@ class ExporterConfig:
     node_name: str = ""
 
 
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) into its parts; ValueError when it is not one."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port from 1 to 65535, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+@dataclasses.dataclass
+class ExporterConfig(AgentSettings):
+    """What `megatrace exporter` serves: the agent's own settings and each collector's settings."""
+
+    collectors: list[str] = dataclasses.field(default_factory=default_collectors)
+    collector_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def settings(self, name: str) -> Any:
+        """The settings of the collector named `name` (its defaults where none were loaded)."""
+        found = self.collector_settings.get(name)
+        return found if found is not None else settings_type(name)()
 
 
-def check(config: ExporterConfig, source: str) -> ExporterConfig:
-    """Normalize `collectors` to a list; reject an unknown collector, a bad listen address."""
-    if isinstance(config.collectors, str):
-        names = [name.strip() for name in config.collectors.split(",") if name.strip()]
-        config = dataclasses.replace(config, collectors=names)
+def schema() -> type:
+    """The flat dataclass every configuration source is validated against: the agent's keys, then
+    each collector's (from the table, so a collector added to it brings its keys)."""
+    own = {field.name for field in dataclasses.fields(AgentSettings)}
+    fields: list[tuple[str, Any, dataclasses.Field[Any]]] = []
+    for key, declared in declared_keys().items():
+        if key in own:
+            raise TypeError(f"collector {declared.collectors[0]}: key {key!r} is one of the agent's own")
+        copy = dataclasses.field(default=declared.field.default, metadata=declared.field.metadata)
+        fields.append((key, declared.hint, copy))
+    return dataclasses.make_dataclass("ExporterSettings", fields, bases=(AgentSettings,))
+
+
+def split(flat: Any) -> ExporterConfig:
+    """The validated flat settings as the agent's own and one settings object per collector."""
+    own = {field.name: getattr(flat, field.name) for field in dataclasses.fields(AgentSettings)}
+    own["collectors"] = collector_names(own["collectors"])
+    per_collector = {}
+    for name in COLLECTORS:
+        kind = settings_type(name)
+        per_collector[name] = kind(
+            **{field.name: getattr(flat, field.name) for field in dataclasses.fields(kind)}
+        )
+    return ExporterConfig(**own, collector_settings=per_collector)
+
+
+def collector_names(value: list[str] | str) -> list[str]:
+    """`collectors` as a list (it may be one comma-separated string)."""
+    if isinstance(value, str):
+        return [name.strip() for name in value.split(",") if name.strip()]
+    return list(value)
+
+
+def problems(config: ExporterConfig) -> list[str]:
+    """What is wrong with `config`, each naming its key (an empty list when nothing is)."""
+    found = []
     unknown = [name for name in config.collectors if name not in COLLECTORS]
     if unknown:
-        raise ConfigError(
-            f"{source}: key 'collectors': unknown collector {', '.join(unknown)} "
-            f"(known: {', '.join(COLLECTORS)})"
+        found.append(
+            f"key 'collectors': unknown collector {', '.join(unknown)} (known: {', '.join(COLLECTORS)})"
         )
-    for key in ("listen", "trace_listen"):
-        try:
-            parse_listen(getattr(config, key))
-        except ValueError as exc:
-            raise ConfigError(f"{source}: key '{key}': {exc}") from None
-    if "traces" in config.collectors and not config.trace_token_file:
-        raise ConfigError(
-            f"{source}: key 'trace_token_file': the trace endpoint (collector traces) needs a token file"
-        )
-    for key in ("trace_max_records", "trace_max_response_bytes", "trace_max_concurrent"):
-        if getattr(config, key) < 1:
-            raise ConfigError(f"{source}: key '{key}': must be at least 1")
+    try:
+        parse_host_port(config.listen)
+    except ValueError as exc:
+        found.append(f"key 'listen': {exc}")
     if not 0 < config.read_timeout_s <= 3600:
-        raise ConfigError(f"{source}: key 'read_timeout_s': must be more than 0 and at most 3600")
+        found.append("key 'read_timeout_s': must be more than 0 and at most 3600")
     if config.max_connections < 1:
-        raise ConfigError(f"{source}: key 'max_connections': must be at least 1")
-    if config.tracer_grace_seconds < 0:
-        raise ConfigError(f"{source}: key 'tracer_grace_seconds': must not be negative")
-    if config.xid_wait_ms < 1:
-        raise ConfigError(f"{source}: key 'xid_wait_ms': must be at least 1")
-    if config.trace_retention_hours < 0:
-        raise ConfigError(f"{source}: key 'trace_retention_hours': must not be negative (0 keeps them)")
-    if config.trace_max_bytes < 0:
-        raise ConfigError(f"{source}: key 'trace_max_bytes': must not be negative (0: no size limit)")
-    return config
+        found.append("key 'max_connections': must be at least 1")
+    for name in COLLECTORS:
+        settings = config.settings(name)
+        if hasattr(settings, "problems"):
+            found += settings.problems(name in config.collectors)
+    return found
 
 
 def load(
     path: str | Path | None, overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None
 ) -> ExporterConfig:
     """The agent's configuration from `path` (optional), the environment and `overrides` (flags)."""
-    config = load_config(ExporterConfig, path, env_prefix=ENV_PREFIX, environ=environ, overrides=overrides)
-    return check(config, str(path) if path is not None else "configuration")
+    flat = load_config(schema(), path, env_prefix=ENV_PREFIX, environ=environ, overrides=overrides)
+    config = split(flat)
+    found = problems(config)
+    if found:
+        raise ConfigError(f"{path if path is not None else 'configuration'}: " + "; ".join(found))
+    return config

@@ -41,6 +41,7 @@ from urllib.parse import parse_qsl
 
 from prometheus_client.core import Metric
 
+from megatrace.exporters.collector_settings import setting
 from megatrace.exporters.families import FamilySet
 from megatrace.exporters.http_limits import (
     DEFAULT_MAX_CONNECTIONS,
@@ -48,8 +49,7 @@ from megatrace.exporters.http_limits import (
     BoundedHandler,
     BoundedHTTPServer,
 )
-from megatrace.exporters.podresources import PodLookup, pod_lookup
-from megatrace.exporters.settings import parse_listen
+from megatrace.exporters.podresources import PodLookup, configured_lookup, socket_setting
 from megatrace.exporters.trace_store import Refused, TraceStore, header_or_none
 from megatrace.exporters.trace_window import Window, WindowTooLarge
 from megatrace.exporters.trace_workers import (
@@ -59,7 +59,8 @@ from megatrace.exporters.trace_workers import (
     gzip_bytes,
     ring_reply,
 )
-from megatrace.exporters.tracer_files import writer_alive
+from megatrace.exporters.tracer_files import trace_dir_setting, writer_alive
+from megatrace.listen import parse_host_port
 from megatrace.logsetup import register_secret
 from megatrace.tracer.ringfile import RECORD_SIZE, RingFormatError
 
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_KEYS = {field.name for field in dataclasses.fields(Window)}
 MAX_QUERY_FIELDS = 8
+DEFAULT_TRACE_PORT = 9452
 INTEGER = re.compile(r"-?[0-9]{1,19}")  # ASCII digits only: str.isdigit() also admits "²"
 
 
@@ -346,18 +348,49 @@ def _json(payload: object) -> bytes:
     return json.dumps(payload).encode()
 
 
-def build(config: ExporterConfig, nvml: object = None) -> TraceEndpoint:
+@dataclasses.dataclass(frozen=True)
+class TracesSettings:
+    """The trace endpoint's keys: its own address (so that a NetworkPolicy can let only the alert bot
+    reach it), the file holding the bearer token every request must carry, and its limits."""
+
+    trace_dir: str = trace_dir_setting()
+    podresources_socket: str = socket_setting()
+    trace_listen: str = setting(
+        f"0.0.0.0:{DEFAULT_TRACE_PORT}", "address of the trace endpoint", metavar="HOST:PORT"
+    )
+    trace_token_file: str = setting("", "file holding the trace endpoint's bearer token", metavar="PATH")
+    trace_max_records: int = setting(200_000, "most records one ring window may hold", metavar="N")
+    trace_max_response_bytes: int = setting(64 << 20, "most bytes one served dump or window may have")
+    trace_max_concurrent: int = setting(4, "trace requests served at once", metavar="N")
+
+    def problems(self, enabled: bool) -> list[str]:
+        found = []
+        try:
+            parse_host_port(self.trace_listen)
+        except ValueError as exc:
+            found.append(f"key 'trace_listen': {exc}")
+        if enabled and not self.trace_token_file:
+            found.append("key 'trace_token_file': the trace endpoint (collector traces) needs a token file")
+        for key in ("trace_max_records", "trace_max_response_bytes", "trace_max_concurrent"):
+            if getattr(self, key) < 1:
+                found.append(f"key '{key}': must be at least 1")
+        return found
+
+
+SETTINGS = TracesSettings
+
+
+def build(settings: TracesSettings, agent: ExporterConfig, nvml: object = None) -> TraceEndpoint:
     """The agent's trace endpoint (`collectors` table entry "traces"), serving."""
-    pods = pod_lookup(Path(config.podresources_socket)) if config.podresources_socket else None
     return TraceEndpoint(
-        config.trace_dir,
-        parse_listen(config.trace_listen),
-        Path(config.trace_token_file),
-        config.trace_max_records,
-        config.trace_max_response_bytes,
-        config.trace_max_concurrent,
-        config.node_name,
-        pods,
-        config.read_timeout_s,
-        config.max_connections,
+        settings.trace_dir,
+        parse_host_port(settings.trace_listen),
+        Path(settings.trace_token_file),
+        settings.trace_max_records,
+        settings.trace_max_response_bytes,
+        settings.trace_max_concurrent,
+        agent.node_name,
+        configured_lookup(settings.podresources_socket),
+        agent.read_timeout_s,
+        agent.max_connections,
     )

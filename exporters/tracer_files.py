@@ -12,16 +12,18 @@ being exported for a grace period (so ``megatrace_tracer_rank_alive=0`` is seen)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import Metric
 
+from megatrace.exporters.collector_settings import setting
 from megatrace.exporters.families import FamilySet
 from megatrace.regular_files import is_regular
 from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header, writer_holds_lock
@@ -204,6 +206,40 @@ def _inflight_age(enqueue_ns: int, finished: bool, now: float) -> float:
     return max(0.0, now - enqueue_ns * NS) if enqueue_ns and not finished else 0.0
 
 
-def build(config: ExporterConfig, nvml: object = None) -> TracerCollector:
+def trace_dir_setting() -> Any:
+    """The ``trace_dir`` key, for the settings of every collector reading the node's trace files."""
+    return setting("/run/megatrace", "the tracer's folder on this node", metavar="DIR")
+
+
+@dataclasses.dataclass(frozen=True)
+class TracerSettings:
+    """The tracer collector's keys, its finished jobs' retention included."""
+
+    trace_dir: str = trace_dir_setting()
+    tracer_grace_seconds: float = setting(
+        300.0, "how long finished or dead ranks stay exported", flag="tracer-grace", metavar="SECONDS"
+    )
+    trace_retention_hours: float = setting(
+        72.0, "finished jobs' folders under trace_dir are removed after this many hours (0 keeps them)"
+    )
+    trace_max_bytes: int = setting(
+        2 << 30, "oldest finished jobs' folders go while all hold more than this (0: no size limit)"
+    )
+
+    def problems(self, enabled: bool) -> list[str]:
+        found = []
+        if self.tracer_grace_seconds < 0:
+            found.append("key 'tracer_grace_seconds': must not be negative")
+        if self.trace_retention_hours < 0:
+            found.append("key 'trace_retention_hours': must not be negative (0 keeps them)")
+        if self.trace_max_bytes < 0:
+            found.append("key 'trace_max_bytes': must not be negative (0: no size limit)")
+        return found
+
+
+SETTINGS = TracerSettings
+
+
+def build(settings: TracerSettings, agent: ExporterConfig, nvml: object = None) -> TracerCollector:
     """The agent's tracer collector (`collectors` table entry "tracer")."""
-    return TracerCollector(config.trace_dir, config.tracer_grace_seconds)
+    return TracerCollector(settings.trace_dir, settings.tracer_grace_seconds)

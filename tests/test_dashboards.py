@@ -30,6 +30,7 @@ from megatrace.alertbot.metrics import BotMetrics
 from megatrace.exporters.cli import build_collectors, build_registry
 from megatrace.exporters.server import MetricsServer
 from megatrace.exporters.settings import ExporterConfig
+from megatrace.exporters.settings import load as load_agent_config
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
 from tests.support.fake_pynvml import FakeGpu, FakeNvml
@@ -257,14 +258,20 @@ def wait_for(stack: LiveStack, expr: str, timeout: float = 90.0) -> None:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     tmp = tmp_path_factory.mktemp("live")
     writers = write_ranks(tmp / "trace", "pretrain-7", 4)
-    gpu_node = ExporterConfig(
-        collectors=["gpu", "infiniband", "tracer"],
-        sysfs_root=str(FIXTURES / "infiniband"),
-        trace_dir=str(tmp / "trace"),
-        podresources_socket="",
+    gpu_node = load_agent_config(
+        None,
+        {
+            "collectors": ["gpu", "infiniband", "tracer"],
+            "sysfs_root": str(FIXTURES / "infiniband"),
+            "trace_dir": str(tmp / "trace"),
+            "podresources_socket": "",
+        },
+        environ={},
     )
-    roce_node = ExporterConfig(
-        collectors=["infiniband"], sysfs_root=str(FIXTURES / "roce"), podresources_socket=""
+    roce_node = load_agent_config(
+        None,
+        {"collectors": ["infiniband"], "sysfs_root": str(FIXTURES / "roce"), "podresources_socket": ""},
+        environ={},
     )
     node_port, prom_port = free_port(), free_port()
     node_exporter = [

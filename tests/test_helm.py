@@ -21,6 +21,10 @@ import requests
 import yaml
 
 from megatrace.alertbot.service import Service
+from megatrace.cli import build_parser
+from megatrace.exporters import cli as exporter_cli
+from megatrace.exporters.collectors import COLLECTORS, default_collectors
+from megatrace.exporters.settings import load as load_agent_config
 from tests.alertbot.conftest import config
 from tests.support.helm_chart import (
     CHART,
@@ -205,6 +209,76 @@ def test_exporter_host_paths_are_mounted_read_only(objects: list[dict[str, Any]]
     mounts = [m for c in pod["containers"] for m in c["volumeMounts"] if m["name"] in host_volumes]
     assert {m["name"] for m in mounts} == set(host_volumes)
     assert all(m.get("readOnly") is True for m in mounts), mounts
+
+
+# Collectors the chart turns on with a value of their own, not through exporter.collectors.
+CHART_SWITCHES = {"traces": ("traceEndpoint", "enabled")}
+
+
+def test_the_chart_offers_every_collector_of_the_table() -> None:
+    """A collector added to the collectors table must be offered by the chart's schema too."""
+    exporter = load_schema()["properties"]["exporter"]["properties"]
+    offered = exporter["collectors"]["items"]["enum"]
+    assert sorted([*offered, *CHART_SWITCHES]) == sorted(COLLECTORS)
+    for section, key in CHART_SWITCHES.values():
+        assert key in exporter[section]["properties"]
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["exporter"]["collectors"] == default_collectors()
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (None, {}),
+        (
+            {"exporter": {"extraArgs": ["--xid-wait-ms=50", "--trace-max-concurrent=2"]}},
+            {"xid_wait_ms": 50, "trace_max_concurrent": 2},
+        ),
+        (
+            {
+                "exporter": {
+                    "collectors": ["infiniband"],
+                    "tracerGraceSeconds": 60,
+                    "podResources": {"enabled": False},
+                }
+            },
+            {"tracer_grace_seconds": 60, "podresources_socket": ""},
+        ),
+    ],
+    ids=["defaults", "collector-flags", "infiniband-only"],
+)
+def test_the_agent_loads_what_the_chart_gives_it(
+    values: dict[str, Any] | None, expected: dict[str, Any]
+) -> None:
+    """The DaemonSet's arguments and environment are a configuration `megatrace exporter` accepts:
+    every flag the chart writes is one the collectors' settings declare."""
+    container = exporter_pod(render(values))["containers"][0]
+    environ = {var["name"]: var.get("value", "node-a") for var in container["env"]}
+    args = build_parser(container["args"]).parse_args(container["args"])
+    config = load_agent_config(args.config, exporter_cli.overrides(args), environ=environ)
+    chosen = (values or {}).get("exporter", {}).get("collectors", default_collectors())
+    assert (config.listen, config.collectors, config.node_name) == (
+        "0.0.0.0:9450",
+        [*chosen, "traces"],
+        "node-a",
+    )
+    loaded = {
+        "sysfs_root": config.settings("infiniband").sysfs_root,
+        "tracer_grace_seconds": config.settings("tracer").tracer_grace_seconds,
+        "xid_wait_ms": config.settings("gpu").xid_wait_ms,
+        "podresources_socket": config.settings("traces").podresources_socket,
+        "trace_token_file": config.settings("traces").trace_token_file,
+        "trace_max_concurrent": config.settings("traces").trace_max_concurrent,
+    }
+    assert loaded == {
+        "sysfs_root": "/host/sys",
+        "tracer_grace_seconds": 300,
+        "xid_wait_ms": 500,
+        "podresources_socket": "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "trace_token_file": "/etc/megatrace/trace-token/token",
+        "trace_max_concurrent": 4,
+        **expected,
+    }
 
 
 def test_exporter_defaults_follow_the_contract(defaults: list[dict[str, Any]]) -> None:

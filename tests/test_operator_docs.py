@@ -16,7 +16,7 @@ import yaml
 
 from megatrace.alertbot.config import AlertbotConfig
 from megatrace.analyzer.layout import LayoutConfig
-from megatrace.exporters.settings import ExporterConfig
+from megatrace.exporters.settings import schema as exporter_schema
 from megatrace.stack_config import StackConfig
 from megatrace.tracer.settings import FaultSettings, TraceSettings
 from tests.support.helm_chart import bot_configuration, lint_problems, load_schema, render, schema_paths
@@ -67,7 +67,7 @@ def documented_defaults(section: str) -> dict[str, str]:
     ("schema", "section"),
     [
         (AlertbotConfig, "Alert bot"),
-        (ExporterConfig, "Exporter"),
+        (exporter_schema(), "Exporter"),
         (StackConfig, "Local stack"),
     ],
     ids=["alertbot", "exporter", "stack"],

@@ -11,7 +11,7 @@ import pytest
 from megatrace.exporters.cli import build_collectors
 from megatrace.exporters.gpu import ALERTED_XIDS, GpuCollector
 from megatrace.exporters.guard import GuardedCollectors
-from megatrace.exporters.settings import ExporterConfig
+from megatrace.exporters.settings import load
 from tests.exporters.exposition import names, promtool_check, render, samples, value
 from tests.support.fake_pynvml import NVML_FUNCTIONS, FakeGpu, FakeNvml
 
@@ -241,7 +241,7 @@ def test_xid_thread_stops_cleanly_and_nvml_is_released(collector_for) -> None:
 def test_agent_counts_xids_that_arrive_before_its_first_scrape() -> None:
     """NVML keeps no history of events: the agent registers for XIDs when it starts, not at a scrape."""
     nvml = FakeNvml([busy_gpu(), second_gpu()])
-    config = ExporterConfig(collectors=["gpu"], podresources_socket="", xid_wait_ms=20)
+    config = load(None, {"collectors": ["gpu"], "podresources_socket": "", "xid_wait_ms": 20}, environ={})
     guarded = build_collectors(config, nvml=nvml)
     try:
         assert nvml.inject_xid(1, 79) == 1

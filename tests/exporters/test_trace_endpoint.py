@@ -19,7 +19,7 @@ import pytest
 from megatrace.analyzer.tracer_files import read_ring_file
 from megatrace.config import ConfigError
 from megatrace.exporters.cli import build_collectors
-from megatrace.exporters.settings import ExporterConfig, load
+from megatrace.exporters.settings import load
 from megatrace.exporters.trace_endpoint import TraceEndpoint
 from megatrace.exporters.trace_workers import SERVE_NICE
 from megatrace.tracer.dumpfile import dump_path, write_dump
@@ -186,11 +186,15 @@ def test_busy_endpoint_answers_503(endpoint: TraceEndpoint) -> None:
 def test_its_requests_show_in_the_agents_metrics(trace_root: Path, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN)
-    config = ExporterConfig(
-        collectors=["traces"],
-        trace_dir=str(trace_root),
-        trace_listen=f"127.0.0.1:{free_port()}",
-        trace_token_file=str(token),
+    config = load(
+        None,
+        {
+            "collectors": ["traces"],
+            "trace_dir": str(trace_root),
+            "trace_listen": f"127.0.0.1:{free_port()}",
+            "trace_token_file": str(token),
+        },
+        environ={},
     )
     guarded = build_collectors(config)
     endpoint = guarded.collectors["traces"]
@@ -215,8 +219,14 @@ def test_configuration_refuses_an_endpoint_without_token_and_unknown_collectors(
     with pytest.raises(ConfigError, match="key 'trace_listen'"):
         load(None, {"trace_listen": "nowhere"}, environ={})
     assert load(None, {}, environ={}).collectors == ["gpu", "infiniband", "tracer"]
-    missing = ExporterConfig(
-        collectors=["traces"], trace_listen=f"127.0.0.1:{free_port()}", trace_token_file=str(tmp_path / "no")
+    missing = load(
+        None,
+        {
+            "collectors": ["traces"],
+            "trace_listen": f"127.0.0.1:{free_port()}",
+            "trace_token_file": str(tmp_path / "no"),
+        },
+        environ={},
     )
     with pytest.raises(OSError):
         build_collectors(missing)
