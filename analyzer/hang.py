@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrace.analyzer import quiet, stopped_first, ties
-from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
+from megatrace.analyzer.table import TraceTable
+from megatrace.tracer.format import OP_CODES, OP_OTHER, op_name
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
 
@@ -93,7 +94,7 @@ def _delivered_sends(table: TraceTable) -> np.ndarray:
     such send (a program that never waits for its sends, as an interleaved pipeline may not, leaves
     them open in its trace)."""
     cols = table.columns
-    send, recv = cols["op"] == OP_CODE["send"], cols["op"] == OP_CODE["recv"]
+    send, recv = cols["op"] == OP_CODES["send"], cols["op"] == OP_CODES["recv"]
     if not send.any():
         return np.zeros(len(table), dtype=bool)
     key = cols["comm"].astype(np.int64) << 32 | (cols["seq"] & 0xFFFFFFFF)
@@ -158,7 +159,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
             blocked[rank] = (comm, seq)
         else:
             notes.append(
-                f"rank {rank} went {tail} calls past {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"rank {rank} went {tail} calls past {op_name(_op_at(table, rank, comm, seq))} #{seq} on "
                 f"{_label(table, comm)} that some members never logged: their logs end earlier "
                 "(saved at different times), not a hang"
             )
@@ -188,7 +189,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
                     target,
                     round(0.5 + 0.3 / len(members), 2),
                     f"all {len(members)} members of {_label(table, comm)} entered "
-                    f"{OPS[_op_at(table, target, comm, seq)]} #{seq} as their last logged call and none "
+                    f"{op_name(_op_at(table, target, comm, seq))} #{seq} as their last logged call and none "
                     f"logged anything after it while {len(waiters)} peer(s) wait on rank {target}: the "
                     "communication "
                     "itself is likely stuck (these logs have no completion times to confirm it).",
@@ -199,7 +200,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
             )
             continue
         comm, seq = blocked[waiters[0]]
-        op = OPS[_op_at(table, waiters[0], comm, seq)]
+        op = op_name(_op_at(table, waiters[0], comm, seq))
         age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
         waited = f" for {age:.1f} s" if age else ""
         tentative = False
@@ -235,7 +236,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     for (comm, seq), ranks in stuck_comms.items():
         members = table.comms[comm].members
         if set(ranks) >= set(members):
-            op = OPS[_op_at(table, ranks[0], comm, seq)]
+            op = op_name(_op_at(table, ranks[0], comm, seq))
             age = max(pending_age.get(r, 0.0) for r in ranks)
             silent = _fell_silent(table, members, stall_s)
             for m in sorted(members, key=lambda m: (m not in silent, m)):
@@ -344,7 +345,7 @@ def _deadlock(table: TraceTable, waits: dict[int, set[int]], blocked: dict) -> l
             HangSuspect(
                 rank,
                 0.6,
-                f"rank {rank} is blocked in {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"rank {rank} is blocked in {op_name(_op_at(table, rank, comm, seq))} #{seq} on "
                 f"{_label(table, comm)} waiting for rank(s) {sorted(waits[rank])}, which wait on it in turn: "
                 "a deadlock (calls issued in a different order).",
                 "deadlock",
@@ -406,7 +407,7 @@ def _first_time(table: TraceTable, rank: int, comm: int, seq: int) -> int:
 
 def _op_at(table: TraceTable, rank: int, comm: int, seq: int) -> int:
     row = _find(table, rank, comm, seq)
-    return int(table["op"][row]) if row >= 0 else len(OPS) - 1
+    return int(table["op"][row]) if row >= 0 else OP_OTHER
 
 
 def _records_after(table: TraceTable, rank: int, t_ns: int) -> int:

@@ -11,7 +11,8 @@ from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.loader import LoadReport
 from megatrace.analyzer.quiet import ended_together
 from megatrace.analyzer.slow import SlowResult
-from megatrace.analyzer.table import OPS, TraceTable
+from megatrace.analyzer.table import TraceTable
+from megatrace.tracer.format import op_name
 
 CHROME_MAX_EVENTS_PER_RANK = 2000
 
@@ -206,7 +207,7 @@ def chrome_trace(table: TraceTable, report: dict) -> dict:
         end = np.where(done > 0, done, np.where(np.arange(len(enq)) < len(enq) - 1, nxt, tend))
         for i in range(hi - lo):
             row = lo + i
-            name = OPS[int(cols["op"][row])]
+            name = op_name(int(cols["op"][row]))
             events.append(
                 {
                     "name": name + ("" if done[i] > 0 or not info.has_completion else " (never completed)"),
