@@ -44,7 +44,7 @@ def _analyze_table(
 ):
     from megatrace.analyzer.hang import detect_hang
     from megatrace.analyzer.infer import check_given, infer_layout
-    from megatrace.analyzer.report import build_report
+    from megatrace.analyzer.report import analysis_report
     from megatrace.analyzer.slow import detect_slow
     from megatrace.analyzer.uncollected import set_aside
 
@@ -64,7 +64,7 @@ def _analyze_table(
     hang = set_aside(detect_hang(table, stall_s), table, uncollected)
     # stages are judged by the layout that explains the traces: a contradicted one is not trusted
     slow = detect_slow(table, inferred.layout if contradiction else resolved)
-    report = build_report(table, loaded, hang, slow, resolved)
+    report = analysis_report(table, loaded, hang, slow, resolved)
     report["layout_inferred"] = inferred.as_dict()
     if uncollected:
         report["uncollected_ranks"] = sorted(uncollected)

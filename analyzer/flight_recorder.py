@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from megatrace.analyzer.layout import Layout
-from megatrace.analyzer.reader import Parsed, Reader
+from megatrace.analyzer.reader_api import Parsed, Reader
 from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
 from megatrace.tracer.format import OP_CODES, OP_OTHER
 

@@ -14,10 +14,10 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatrace.analyzer.formats import READERS, detect
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 from megatrace.analyzer.progress import Progress
-from megatrace.analyzer.reader import Reader, ReaderError
-from megatrace.analyzer.readers import READERS, detect
+from megatrace.analyzer.reader_api import Reader, ReaderError
 from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
 from megatrace.regular_files import open_regular
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
-from megatrace.analyzer.reader import Parsed, Reader, ReaderError
+from megatrace.analyzer.reader_api import Parsed, Reader, ReaderError
 from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
 from megatrace.tracer.format import OP_CODES, P2P_OPS
 

@@ -17,9 +17,11 @@ from megatrace.tracer.format import op_name
 CHROME_MAX_EVENTS_PER_RANK = 2000
 
 
-def build_report(
+def analysis_report(
     table: TraceTable, load: LoadReport, hang: HangResult, slow: SlowResult, layout: Layout | None
 ) -> dict:
+    """The analyzer's JSON report (the contract of ``megatrace analyze --format json``) of one job's
+    table, from the hang and slow detectors' results."""
     suspects = []
     hangs = hang.suspects
     notes = [*table.notes, *hang.notes, *slow.notes]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from megatrace.analyzer.flight_recorder import READER as FLIGHT_RECORDER
 from megatrace.analyzer.nccl_comms import READER as NCCL_LOG
-from megatrace.analyzer.reader import Reader
-from megatrace.analyzer.tracer_files import DUMP, RING
+from megatrace.analyzer.reader_api import Reader
+from megatrace.analyzer.tracer_formats import DUMP, RING
 
 READERS: dict[str, Reader] = {reader.name: reader for reader in (RING, DUMP, NCCL_LOG, FLIGHT_RECORDER)}
 

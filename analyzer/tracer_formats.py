@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyzer.reader import Parsed, Reader, each_alone
+from megatrace.analyzer.reader_api import Parsed, Reader, each_alone
 from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
 from megatrace.regular_files import open_regular
 from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump

@@ -1,6 +1,6 @@
 """What one trace format provides the loader: recognise a file, parse it, turn all parsed files into calls.
 
-Each format module defines one `Reader`; `megatrace.analyzer.readers.READERS` lists them. A format
+Each format module defines one `Reader`; `megatrace.analyzer.formats.READERS` lists them. A format
 whose files must be read together (communicators matched across ranks) does that in `resolve`.
 """
 
