@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 
@@ -16,19 +18,23 @@ def run(
     progress: bool = False,
     stall_s: float = 1.0,
     uncollected: frozenset[int] = frozenset(),
+    reader_options: Mapping[str, Mapping[str, Any]] | None = None,
 ):
     """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from.
     `uncollected`: ranks whose data the caller failed to collect (never blamed for missing data).
+    `reader_options`: reader name -> setting -> value (`formats.reader_settings`; ConfigError when bad).
 
     Traces of several jobs under the paths are analyzed job by job: the report then lists each under
     ``jobs`` and gives the most serious verdict, with every job's suspects (each naming its job).
     """
+    from megatrace.analyzer.formats import reader_settings
     from megatrace.analyzer.loader import load_jobs
     from megatrace.analyzer.report import combine_jobs
 
     if isinstance(paths, str | Path):
         paths = [paths]
-    jobs = load_jobs(list(paths), layout, progress)
+    settings = reader_settings(reader_options)
+    jobs = load_jobs(list(paths), layout, progress, settings)
     results = [
         (job, *_analyze_table(table, loaded, layout, stall_s, uncollected)) for job, table, loaded in jobs
     ]

@@ -219,7 +219,7 @@ def flight_recorder_calls(dumps: list[FlightRecorderDump], layout: Layout | None
     return [dump_calls(dump, members) for dump in dumps]
 
 
-def _parse(path: Path) -> Parsed:
+def _parse(path: Path, _settings: None) -> Parsed:
     return Parsed(read_dump(path))
 
 

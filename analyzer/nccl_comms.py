@@ -238,7 +238,7 @@ def _all_p2p(ops: np.ndarray) -> bool:
     return bool(len(ops)) and bool(np.isin(ops, list(P2P_OPS)).all())
 
 
-def _parse(path: Path) -> Parsed:
+def _parse(path: Path, _settings: None) -> Parsed:
     log = parse_nccl_bytes(path.read_bytes(), str(path))
     if log.rank < 0 or not len(log.enqueue_ns):
         raise ReaderError(f"no readable NCCL log lines ({log.skipped} skipped)")

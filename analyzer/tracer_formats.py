@@ -135,7 +135,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     return RankCalls(rank, cols, comms, info)
 
 
-def _parse_ring(path: Path) -> Parsed:
+def _parse_ring(path: Path, _settings: None) -> Parsed:
     snapshot = read_ring_file(path)
     calls = snapshot_calls(snapshot, str(path), "ring")
     if snapshot.header.writer_locks and not writer_holds_lock(path):
@@ -152,7 +152,7 @@ def _parse_ring(path: Path) -> Parsed:
     return Parsed(calls)
 
 
-def _parse_dump(path: Path) -> Parsed:
+def _parse_dump(path: Path, _settings: None) -> Parsed:
     return Parsed(snapshot_calls(read_dump(path), str(path), "dump"))
 
 
