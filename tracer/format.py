@@ -86,22 +86,31 @@ FLAG_PROCESS_GROUP = 2
 # Word W_CAPTURE: how the rank's ops are captured.
 CAPTURE_NAMES: dict[int, str] = {0: "", 1: "python", 2: "native"}
 
-# Record (72 bytes): (field, little-endian NumPy type, byte offset). `serial` is the commit word, written
-# last (0 while the slot is being written); the rest of the record is padding.
-RECORD_FIELDS: tuple[tuple[str, str, int], ...] = (
-    ("serial", "<u8", 0),
-    ("comm_id", "<u8", 8),
-    ("seq", "<i8", 16),
-    ("nbytes", "<u8", 24),
-    ("enqueue_ns", "<i8", 32),
-    ("complete_ns", "<i8", 40),
-    ("step", "<i8", 48),
-    ("rank", "<i4", 56),
-    ("peer", "<i4", 60),
-    ("op", "u1", 64),
-    ("dtype", "u1", 65),
-    ("flags", "u1", 66),
-)
+
+def _packed(*fields: tuple[str, str]) -> tuple[tuple[str, str, int], ...]:
+    """(field, NumPy type, byte offset) of fields laid out back to back in the order given."""
+    out, offset = [], 0
+    for name, fmt in fields:
+        out.append((name, fmt, offset))
+        offset += np.dtype(fmt).itemsize
+    return tuple(out)
+
+
+# Record (72 bytes): (field, little-endian NumPy type, byte offset), packed in this order. `serial` is
+# the commit word, written last (0 while the slot is being written); the rest of the record is padding.
+RECORD_FIELDS = _packed(
+    ("serial", "<u8"), ("comm_id", "<u8"), ("seq", "<i8"), ("nbytes", "<u8"), ("enqueue_ns", "<i8"),
+    ("complete_ns", "<i8"), ("step", "<i8"), ("rank", "<i4"), ("peer", "<i4"),
+    ("op", "u1"), ("dtype", "u1"), ("flags", "u1"),
+)  # fmt: skip
+
+
+def fields_end() -> int:
+    """The byte after a record's last field (the padding runs from there to RECORD_SIZE)."""
+    _, fmt, offset = RECORD_FIELDS[-1]
+    return offset + np.dtype(fmt).itemsize
+
+
 RECORD_DTYPE = np.dtype(
     {
         "names": [name for name, _, _ in RECORD_FIELDS],
@@ -199,13 +208,8 @@ def _cpp_constants() -> list[str]:
 
 def _cpp_record() -> list[str]:
     lines = ["struct Record {"]
-    end = 0
-    for name, fmt, offset in RECORD_FIELDS:
-        if offset != end:
-            raise ValueError(f"record field {name} at {offset} leaves a gap after byte {end}")
-        lines.append(f"  {_C_TYPES[fmt]} {name};")
-        end = offset + np.dtype(fmt).itemsize
-    lines += [f"  uint8_t pad[{RECORD_SIZE - end}];", "};"]
+    lines += [f"  {_C_TYPES[fmt]} {name};" for name, fmt, _ in RECORD_FIELDS]
+    lines += [f"  uint8_t pad[{RECORD_SIZE - fields_end()}];", "};"]
     lines.append('static_assert(sizeof(Record) == kRecordSize, "record");')
     for name, _, offset in RECORD_FIELDS:
         lines.append(f'static_assert(offsetof(Record, {name}) == {offset}, "record field {name}");')

@@ -80,6 +80,7 @@ from megatrace.tracer.format import (
     W_WORLD_SIZE,
     W_WRITER_FLAGS,
     WRITER_HOLDS_LOCK,
+    fields_end,
 )
 
 # The code tables, for the ring's writers and readers (defined in `megatrace.tracer.format`).
@@ -98,9 +99,8 @@ RECORD_WORDS = RECORD_SIZE // 8
 # after). Signed words: the same bytes as the unsigned fields for every value they hold (ids are
 # 63-bit), and `struct` converts signed 64-bit ints several times faster than unsigned ones.
 _STRUCT_CODES = {"<u8": "q", "<i8": "q", "<i4": "i", "u1": "B"}
-_RECORD_END = RECORD_FIELDS[-1][2] + RECORD_DTYPE[RECORD_FIELDS[-1][0]].itemsize
 RECORD_STRUCT = struct.Struct(
-    "<" + "".join(_STRUCT_CODES[fmt] for _, fmt, _ in RECORD_FIELDS) + f"{RECORD_SIZE - _RECORD_END}x"
+    "<" + "".join(_STRUCT_CODES[fmt] for _, fmt, _ in RECORD_FIELDS) + f"{RECORD_SIZE - fields_end()}x"
 )
 # Word/int32/byte positions of fields inside one record, for the writer's memoryviews.
 _OFFSET = {name: offset for name, _, offset in RECORD_FIELDS}
