@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 
@@ -16,19 +18,23 @@ def run(
     progress: bool = False,
     stall_s: float = 1.0,
     uncollected: frozenset[int] = frozenset(),
+    reader_options: Mapping[str, Mapping[str, Any]] | None = None,
 ):
     """Load and analyze; returns (report dict, table) — the table is what the Chrome trace is drawn from.
     `uncollected`: ranks whose data the caller failed to collect (never blamed for missing data).
+    `reader_options`: reader name -> setting -> value (`formats.reader_settings`; ConfigError when bad).
 
     Traces of several jobs under the paths are analyzed job by job: the report then lists each under
     ``jobs`` and gives the most serious verdict, with every job's suspects (each naming its job).
     """
+    from megatrace.analyzer.formats import reader_settings
     from megatrace.analyzer.loader import load_jobs
     from megatrace.analyzer.report import combine_jobs
 
     if isinstance(paths, str | Path):
         paths = [paths]
-    jobs = load_jobs(list(paths), layout, progress)
+    settings = reader_settings(reader_options)
+    jobs = load_jobs(list(paths), layout, progress, settings)
     results = [
         (job, *_analyze_table(table, loaded, layout, stall_s, uncollected)) for job, table, loaded in jobs
     ]
@@ -44,7 +50,7 @@ def _analyze_table(
 ):
     from megatrace.analyzer.hang import detect_hang
     from megatrace.analyzer.infer import check_given, infer_layout
-    from megatrace.analyzer.report import build_report
+    from megatrace.analyzer.report import analysis_report
     from megatrace.analyzer.slow import detect_slow
     from megatrace.analyzer.uncollected import set_aside
 
@@ -64,7 +70,7 @@ def _analyze_table(
     hang = set_aside(detect_hang(table, stall_s), table, uncollected)
     # stages are judged by the layout that explains the traces: a contradicted one is not trusted
     slow = detect_slow(table, inferred.layout if contradiction else resolved)
-    report = build_report(table, loaded, hang, slow, resolved)
+    report = analysis_report(table, loaded, hang, slow, resolved)
     report["layout_inferred"] = inferred.as_dict()
     if uncollected:
         report["uncollected_ranks"] = sorted(uncollected)

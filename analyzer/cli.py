@@ -49,6 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="the same list read from a file (commas, spaces or lines between items; # starts a comment)",
     )
+    p.add_argument(
+        "--reader-option",
+        action="append",
+        default=[],
+        metavar="READER.KEY=VALUE",
+        help="a setting of one trace format's reader (repeatable), e.g. --reader-option NAME.KEY=VALUE; "
+        "an unknown reader or key is an error",
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     p.set_defaults(func=handle)
 
@@ -74,6 +82,18 @@ def uncollected_ranks(args: argparse.Namespace) -> frozenset[int]:
     return ranks
 
 
+def reader_options(items: list[str]) -> dict[str, dict[str, str]]:
+    """``READER.KEY=VALUE`` items of --reader-option as reader -> key -> value; ValueError naming the item."""
+    options: dict[str, dict[str, str]] = {}
+    for item in items:
+        name, dot, rest = item.partition(".")
+        key, equals, value = rest.partition("=")
+        if not (name and dot and key and equals):
+            raise ValueError(f"--reader-option {item!r}: expected READER.KEY=VALUE")
+        options.setdefault(name, {})[key] = value
+    return options
+
+
 def handle(args: argparse.Namespace) -> int:
     values = {name: getattr(args, name) for name in LAYOUT_FLAGS}
     given = {k: v for k, v in values.items() if v is not None}
@@ -82,6 +102,7 @@ def handle(args: argparse.Namespace) -> int:
         return 2
     try:
         uncollected = uncollected_ranks(args)
+        options = reader_options(args.reader_option)
     except (OSError, ValueError) as exc:
         print(f"megatrace analyze: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +117,7 @@ def handle(args: argparse.Namespace) -> int:
             progress=not args.quiet and sys.stderr.isatty(),
             stall_s=args.stall_seconds,
             uncollected=uncollected,
+            reader_options=options,
         )
     except (LayoutError, ConfigError) as exc:
         print(f"megatrace analyze: {exc}", file=sys.stderr)

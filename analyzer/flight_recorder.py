@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from megatrace.analyzer.layout import Layout
-from megatrace.analyzer.reader import Parsed, Reader
-from megatrace.analyzer.table import OP_CODE, RankCalls, RankInfo, empty_columns
+from megatrace.analyzer.reader_api import Parsed, Reader
+from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
+from megatrace.tracer.format import OP_CODES, OP_OTHER
 
 
 class FlightRecorderError(ValueError):
@@ -99,7 +100,7 @@ def _ranks(value: Any) -> tuple[int, ...]:
 
 def _op(name: str) -> int:
     base = name.split(":", 1)[-1].split()[0] if name else "other"
-    return OP_CODE.get(base, OP_CODE["other"])
+    return OP_CODES.get(base, OP_OTHER)
 
 
 def _nbytes(entry: dict) -> int:
@@ -218,7 +219,7 @@ def flight_recorder_calls(dumps: list[FlightRecorderDump], layout: Layout | None
     return [dump_calls(dump, members) for dump in dumps]
 
 
-def _parse(path: Path) -> Parsed:
+def _parse(path: Path, _settings: None) -> Parsed:
     return Parsed(read_dump(path))
 
 

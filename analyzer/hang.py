@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrace.analyzer import quiet, stopped_first, ties
-from megatrace.analyzer.table import OP_CODE, OPS, TraceTable
+from megatrace.analyzer.table import TraceTable
+from megatrace.tracer.format import OP_CODES, OP_OTHER, op_name
 
 ASYNC_WINDOW = 16  # records a rank may enqueue past a call it is stuck in (NCCL calls are asynchronous)
 
@@ -93,7 +94,7 @@ def _delivered_sends(table: TraceTable) -> np.ndarray:
     such send (a program that never waits for its sends, as an interleaved pipeline may not, leaves
     them open in its trace)."""
     cols = table.columns
-    send, recv = cols["op"] == OP_CODE["send"], cols["op"] == OP_CODE["recv"]
+    send, recv = cols["op"] == OP_CODES["send"], cols["op"] == OP_CODES["recv"]
     if not send.any():
         return np.zeros(len(table), dtype=bool)
     key = cols["comm"].astype(np.int64) << 32 | (cols["seq"] & 0xFFFFFFFF)
@@ -102,12 +103,33 @@ def _delivered_sends(table: TraceTable) -> np.ndarray:
 
 
 def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
-    last = last_seq_per_member(table)
+    """Who the blocked ranks wait for: phases `_blocked_in_open_calls` and `_blocked_at_frontiers` find
+    where each rank is blocked, `_waits_for` whom it waits for, `_culprit_suspects` and
+    `_stuck_communication_suspects` name the culprits, `_ordered` ranks them."""
+    members_last: dict[int, dict[int, int]] = {}
+    for (comm, rank), seq in last_seq_per_member(table).items():
+        members_last.setdefault(comm, {})[rank] = seq
     notes: list[str] = []
-    ranks_present = set(table.ranks)
+    blocked, pending_age = _blocked_in_open_calls(table, stall_s)
+    blocked.update(_blocked_at_frontiers(table, members_last, notes))
+    waits, stuck_comms = _waits_for(table, blocked, members_last)
+    suspects = _culprit_suspects(table, waits, blocked, pending_age, members_last)
+    suspects += _stuck_communication_suspects(table, stuck_comms, pending_age, stall_s)
+    suspects, tie = _ordered(table, suspects, waits, blocked)
+    named = {s.rank for s in suspects}
+    victims = sorted(r for r in blocked if r not in named)
+    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s), tie)
+
+
+def _blocked_in_open_calls(
+    table: TraceTable, stall_s: float
+) -> tuple[dict[int, tuple[int, int]], dict[int, float]]:
+    """Ranks whose logs have completion times, blocked at their oldest call still open after `stall_s`:
+    rank -> (comm, seq), and rank -> how long that call has been open (s)."""
     blocked: dict[int, tuple[int, int]] = {}
     pending_age: dict[int, float] = {}
-    n = len(table)
+    if not len(table):
+        return blocked, pending_age
     cols = table.columns
     has_comp = np.zeros(max(table.world_size, 1), dtype=bool)
     for rank, info in table.ranks.items():
@@ -115,24 +137,28 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
     # a call still open in a rank's last snapshot was open until the job was last seen at all: a rank
     # that froze or died with it leaves no later sign of its own
     job_end = max((info.observed_until_ns for info in table.ranks.values()), default=0)
-    if n:
-        pending = (cols["complete_ns"] == 0) & has_comp[cols["rank"]]
-        pending &= ~_delivered_sends(table)
-        rows = np.flatnonzero(pending)
-        order = rows[np.lexsort((cols["enqueue_ns"][rows], cols["rank"][rows]))]
-        first = np.ones(len(order), dtype=bool)
-        first[1:] = cols["rank"][order][1:] != cols["rank"][order][:-1]
-        for row in order[first].tolist():
-            rank = int(cols["rank"][row])
-            comm = int(cols["comm"][row])
-            age = (job_end - int(cols["enqueue_ns"][row])) / 1e9
-            if age >= stall_s and _usable(table, comm):
-                blocked[rank] = (comm, int(cols["seq"][row]))
-                pending_age[rank] = age
-    # enqueue-only ranks: blocked at the first call of a communicator some member never issued
-    members_last: dict[int, dict[int, int]] = {}
-    for (comm, rank), seq in last.items():
-        members_last.setdefault(comm, {})[rank] = seq
+    pending = (cols["complete_ns"] == 0) & has_comp[cols["rank"]]
+    pending &= ~_delivered_sends(table)
+    rows = np.flatnonzero(pending)
+    order = rows[np.lexsort((cols["enqueue_ns"][rows], cols["rank"][rows]))]
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = cols["rank"][order][1:] != cols["rank"][order][:-1]
+    for row in order[first].tolist():
+        rank = int(cols["rank"][row])
+        comm = int(cols["comm"][row])
+        age = (job_end - int(cols["enqueue_ns"][row])) / 1e9
+        if age >= stall_s and _usable(table, comm):
+            blocked[rank] = (comm, int(cols["seq"][row]))
+            pending_age[rank] = age
+    return blocked, pending_age
+
+
+def _blocked_at_frontiers(
+    table: TraceTable, members_last: dict[int, dict[int, int]], notes: list[str]
+) -> dict[int, tuple[int, int]]:
+    """Enqueue-only ranks: blocked at the first call of a communicator some member never issued, if that
+    call is among their last `ASYNC_WINDOW` records (else a note says the logs end at different times)."""
+    ranks_present = set(table.ranks)
     frontier_block: dict[int, list[tuple[int, int]]] = {}
     for comm, seen in members_last.items():
         members = table.comms[comm].members
@@ -151,6 +177,7 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
         for m, value in zip(members, lasts, strict=True):
             if value >= stuck and m in ranks_present and not table.ranks[m].has_completion:
                 frontier_block.setdefault(m, []).append((comm, stuck))
+    blocked: dict[int, tuple[int, int]] = {}
     for rank, frontiers in frontier_block.items():
         comm, seq = _frontier(table, rank, frontiers)
         tail = _records_after(table, rank, _first_time(table, rank, comm, seq))
@@ -158,11 +185,18 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
             blocked[rank] = (comm, seq)
         else:
             notes.append(
-                f"rank {rank} went {tail} calls past {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"rank {rank} went {tail} calls past {op_name(_op_at(table, rank, comm, seq))} #{seq} on "
                 f"{_label(table, comm)} that some members never logged: their logs end earlier "
                 "(saved at different times), not a hang"
             )
-    # waits-for graph
+    return blocked
+
+
+def _waits_for(
+    table: TraceTable, blocked: dict[int, tuple[int, int]], members_last: dict[int, dict[int, int]]
+) -> tuple[dict[int, set[int]], dict[tuple[int, int], list[int]]]:
+    """The waits-for graph (blocked rank -> the members that never issued its call), and the calls every
+    member issued that still block some of them ((comm, seq) -> those ranks)."""
     waits: dict[int, set[int]] = {}
     stuck_comms: dict[tuple[int, int], list[int]] = {}
     for rank, (comm, seq) in blocked.items():
@@ -172,96 +206,140 @@ def detect_hang(table: TraceTable, stall_s: float = 1.0) -> HangResult:
             waits[rank] = missing
         elif not _unmatched_channel(table, comm):
             stuck_comms.setdefault((comm, seq), []).append(rank)
-    suspects: list[HangSuspect] = []
+    return waits, stuck_comms
+
+
+def _culprit_suspects(
+    table: TraceTable,
+    waits: dict[int, set[int]],
+    blocked: dict[int, tuple[int, int]],
+    pending_age: dict[int, float],
+    members_last: dict[int, dict[int, int]],
+) -> list[HangSuspect]:
+    """The ranks waited on that are not blocked themselves, most waiters first."""
     culprits: dict[int, list[int]] = {}
     for rank, targets in waits.items():
         for target in targets:
             if target not in blocked:
                 culprits.setdefault(target, []).append(rank)
     entered_last = _all_entered_last(table, culprits)
+    suspects = []
     for target, waiters in sorted(culprits.items(), key=lambda item: (-len(item[1]), item[0])):
         if target in entered_last:
-            comm, seq = entered_last[target]
-            members = table.comms[comm].members
-            suspects.append(
-                HangSuspect(
-                    target,
-                    round(0.5 + 0.3 / len(members), 2),
-                    f"all {len(members)} members of {_label(table, comm)} entered "
-                    f"{OPS[_op_at(table, target, comm, seq)]} #{seq} as their last logged call and none "
-                    f"logged anything after it while {len(waiters)} peer(s) wait on rank {target}: the "
-                    "communication "
-                    "itself is likely stuck (these logs have no completion times to confirm it).",
-                    "communication_stuck",
-                    sorted(waiters),
-                    members,
-                )
-            )
-            continue
-        comm, seq = blocked[waiters[0]]
-        op = OPS[_op_at(table, waiters[0], comm, seq)]
-        age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
-        waited = f" for {age:.1f} s" if age else ""
-        tentative = False
-        if target not in ranks_present:
-            cause, what = "no_log", f"rank {target} left no trace log"
+            suspects.append(_entered_together_suspect(table, target, waiters, *entered_last[target]))
         else:
-            cause, what = "rank_missing", f"rank {target} never issued {op} #{seq} on {_label(table, comm)}"
-            tentative = _cut_at_the_end(table, target, waiters, comm, seq, members_last)
-        suspects.append(
-            HangSuspect(
-                target,
-                round(
-                    min(
-                        0.99,
-                        0.75 + 0.25 * min(1.0, len(waiters) / max(1, len(table.comms[comm].members) - 1)),
-                    ),
-                    2,
-                )
-                if cause == "rank_missing"
-                else 0.7,
-                f"{what}; {len(waiters)} peer(s) have waited in it{waited} (first: rank {min(waiters)})."
-                + (
-                    " It is one call behind exactly where every log ends, so logs cut at that moment "
-                    "would look the same."
-                    if tentative
-                    else ""
-                ),
-                cause,
-                sorted(waiters),
-                tentative=tentative,
-            )
+            suspects.append(_missing_rank_suspect(table, target, waiters, blocked, pending_age, members_last))
+    return suspects
+
+
+def _entered_together_suspect(
+    table: TraceTable, target: int, waiters: list[int], comm: int, seq: int
+) -> HangSuspect:
+    """A rank waited on whose communicator's members all entered its last call (enqueue-only logs)."""
+    members = table.comms[comm].members
+    return HangSuspect(
+        target,
+        round(0.5 + 0.3 / len(members), 2),
+        f"all {len(members)} members of {_label(table, comm)} entered "
+        f"{op_name(_op_at(table, target, comm, seq))} #{seq} as their last logged call and none "
+        f"logged anything after it while {len(waiters)} peer(s) wait on rank {target}: the "
+        "communication "
+        "itself is likely stuck (these logs have no completion times to confirm it).",
+        "communication_stuck",
+        sorted(waiters),
+        members,
+    )
+
+
+def _missing_rank_suspect(
+    table: TraceTable,
+    target: int,
+    waiters: list[int],
+    blocked: dict[int, tuple[int, int]],
+    pending_age: dict[int, float],
+    members_last: dict[int, dict[int, int]],
+) -> HangSuspect:
+    """A rank waited on that never issued the call its peers wait in, or left no log."""
+    comm, seq = blocked[waiters[0]]
+    op = op_name(_op_at(table, waiters[0], comm, seq))
+    age = max((pending_age.get(w, 0.0) for w in waiters), default=0.0)
+    waited = f" for {age:.1f} s" if age else ""
+    tentative = False
+    if target not in table.ranks:
+        cause, what = "no_log", f"rank {target} left no trace log"
+    else:
+        cause, what = "rank_missing", f"rank {target} never issued {op} #{seq} on {_label(table, comm)}"
+        tentative = _cut_at_the_end(table, target, waiters, comm, seq, members_last)
+    return HangSuspect(
+        target,
+        round(
+            min(
+                0.99,
+                0.75 + 0.25 * min(1.0, len(waiters) / max(1, len(table.comms[comm].members) - 1)),
+            ),
+            2,
         )
+        if cause == "rank_missing"
+        else 0.7,
+        f"{what}; {len(waiters)} peer(s) have waited in it{waited} (first: rank {min(waiters)})."
+        + (
+            " It is one call behind exactly where every log ends, so logs cut at that moment "
+            "would look the same."
+            if tentative
+            else ""
+        ),
+        cause,
+        sorted(waiters),
+        tentative=tentative,
+    )
+
+
+def _stuck_communication_suspects(
+    table: TraceTable,
+    stuck_comms: dict[tuple[int, int], list[int]],
+    pending_age: dict[int, float],
+    stall_s: float,
+) -> list[HangSuspect]:
+    """Calls every member entered and none completed: the communication is stuck, unless one member's
+    tracer fell silent first (that process stopped inside the call)."""
+    suspects = []
     for (comm, seq), ranks in stuck_comms.items():
         members = table.comms[comm].members
-        if set(ranks) >= set(members):
-            op = OPS[_op_at(table, ranks[0], comm, seq)]
-            age = max(pending_age.get(r, 0.0) for r in ranks)
-            silent = _fell_silent(table, members, stall_s)
-            for m in sorted(members, key=lambda m: (m not in silent, m)):
-                what = (
-                    f"rank {m}'s tracer fell silent {silent[m]:.1f} s before its peers' while all "
-                    f"{len(members)} members of {_label(table, comm)} sat in {op} #{seq}: the process "
-                    "stopped inside the call (frozen, or stuck in a kernel or driver)."
-                    if m in silent
-                    else f"all {len(members)} members of {_label(table, comm)} entered {op} #{seq} and "
-                    f"none completed it in {age:.1f} s: the communication itself is stuck "
-                    "(network/NCCL), no rank is missing."
-                )
-                confidence = 0.8 if m in silent else 0.5 + 0.4 / len(members) - (0.2 if silent else 0.0)
-                suspects.append(
-                    HangSuspect(m, round(confidence, 2), what, "communication_stuck", group=members)
-                )
+        if not set(ranks) >= set(members):
+            continue
+        op = op_name(_op_at(table, ranks[0], comm, seq))
+        age = max(pending_age.get(r, 0.0) for r in ranks)
+        silent = _fell_silent(table, members, stall_s)
+        for m in sorted(members, key=lambda m: (m not in silent, m)):
+            what = (
+                f"rank {m}'s tracer fell silent {silent[m]:.1f} s before its peers' while all "
+                f"{len(members)} members of {_label(table, comm)} sat in {op} #{seq}: the process "
+                "stopped inside the call (frozen, or stuck in a kernel or driver)."
+                if m in silent
+                else f"all {len(members)} members of {_label(table, comm)} entered {op} #{seq} and "
+                f"none completed it in {age:.1f} s: the communication itself is stuck "
+                "(network/NCCL), no rank is missing."
+            )
+            confidence = 0.8 if m in silent else 0.5 + 0.4 / len(members) - (0.2 if silent else 0.0)
+            suspects.append(HangSuspect(m, round(confidence, 2), what, "communication_stuck", group=members))
+    return suspects
+
+
+def _ordered(
+    table: TraceTable,
+    suspects: list[HangSuspect],
+    waits: dict[int, set[int]],
+    blocked: dict[int, tuple[int, int]],
+) -> tuple[list[HangSuspect], str]:
+    """The suspects most likely first: a deadlock when no one else explains the waits, the rank that
+    stopped first ahead, ranks that wrote no dump ahead, ties marked (and why)."""
     if not suspects and waits:
-        suspects.extend(_deadlock(table, waits, blocked))
+        suspects = _deadlock(table, waits, blocked)
     suspects = stopped_first.order(table, suspects)
     absent = ties.absent_dumpers(table, suspects)
     suspects = [HangSuspect(r, 0.8, ties.absent_evidence(r, suspects), "no_log") for r in absent] + suspects
     _answered_the_dump(table, suspects)
-    suspects, tie = ties.mark_ties(table, suspects)
-    named = {s.rank for s in suspects}
-    victims = sorted(r for r in blocked if r not in named)
-    return HangResult(suspects, victims, blocked, notes, _silent_ranks(table, stall_s), tie)
+    return ties.mark_ties(table, suspects)
 
 
 def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:
@@ -344,7 +422,7 @@ def _deadlock(table: TraceTable, waits: dict[int, set[int]], blocked: dict) -> l
             HangSuspect(
                 rank,
                 0.6,
-                f"rank {rank} is blocked in {OPS[_op_at(table, rank, comm, seq)]} #{seq} on "
+                f"rank {rank} is blocked in {op_name(_op_at(table, rank, comm, seq))} #{seq} on "
                 f"{_label(table, comm)} waiting for rank(s) {sorted(waits[rank])}, which wait on it in turn: "
                 "a deadlock (calls issued in a different order).",
                 "deadlock",
@@ -406,7 +484,7 @@ def _first_time(table: TraceTable, rank: int, comm: int, seq: int) -> int:
 
 def _op_at(table: TraceTable, rank: int, comm: int, seq: int) -> int:
     row = _find(table, rank, comm, seq)
-    return int(table["op"][row]) if row >= 0 else len(OPS) - 1
+    return int(table["op"][row]) if row >= 0 else OP_OTHER
 
 
 def _records_after(table: TraceTable, rank: int, t_ns: int) -> int:

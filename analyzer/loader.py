@@ -11,13 +11,15 @@ import contextlib
 import ctypes
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from megatrace.analyzer.formats import READERS, detect, reader_settings
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 from megatrace.analyzer.progress import Progress
-from megatrace.analyzer.reader import Reader, ReaderError
-from megatrace.analyzer.readers import READERS, detect
+from megatrace.analyzer.reader_api import Reader, ReaderError
 from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
 from megatrace.regular_files import open_regular
 
@@ -87,7 +89,7 @@ def _head(path: Path) -> bytes:
         os.close(fd)
 
 
-def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
+def _read_one(path: Path, report: LoadReport, settings: Mapping[str, Any]) -> tuple[Reader, object] | None:
     try:
         head = _head(path)
     except OSError as exc:
@@ -101,7 +103,7 @@ def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
         report.ignored[str(path)] = "unknown format"
         return None
     try:
-        parsed = reader.parse(path)
+        parsed = reader.parse(path, settings.get(reader.name))
     except ReaderError as exc:
         report.ignored[str(path)] = str(exc)
         return None
@@ -115,16 +117,18 @@ def _read_one(path: Path, report: LoadReport) -> tuple[Reader, object] | None:
 
 
 def _parse_all(
-    paths: list[str | Path], progress: bool
+    paths: list[str | Path], progress: bool, settings: Mapping[str, Any] | None
 ) -> tuple[dict[str, dict[str, list[object]]], LoadReport]:
     """Every readable file under `paths`, parsed: job -> format -> items (our files name their job;
-    other formats name none, job "")."""
+    other formats name none, job ""). `settings`: reader name -> its settings (`reader_settings`;
+    the defaults when None)."""
+    settings = reader_settings() if settings is None else settings
     report = LoadReport()
     files = find_files(paths, report)
     bar = Progress(len(files), "loading traces", progress)
     jobs: dict[str, dict[str, list[object]]] = {}
     for path in files:
-        got = _read_one(path, report)
+        got = _read_one(path, report, settings)
         bar.advance()
         if got is None:
             continue
@@ -137,12 +141,15 @@ def _parse_all(
 
 
 def load_jobs(
-    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
+    paths: list[str | Path],
+    layout: Layout | LayoutConfig | None = None,
+    progress: bool = False,
+    settings: Mapping[str, Any] | None = None,
 ) -> list[tuple[str, TraceTable, LoadReport]]:
     """One `TraceTable` per job found under `paths`: a folder holding several jobs' traces (our files
     name their job) gives several. A `LayoutConfig` without a world size is resolved with the highest
-    rank that left a log; `LayoutError` when the sizes do not fit."""
-    jobs, report = _parse_all(paths, progress)
+    rank that left a log; `LayoutError` when the sizes do not fit. `settings` as `_parse_all` takes them."""
+    jobs, report = _parse_all(paths, progress, settings)
     if len(jobs) <= 1:
         parsed = next(iter(jobs.values()), {})
         return [(next(iter(jobs), ""), _table(parsed, layout, report), report)]
@@ -154,10 +161,13 @@ def load_jobs(
 
 
 def load(
-    paths: list[str | Path], layout: Layout | LayoutConfig | None = None, progress: bool = False
+    paths: list[str | Path],
+    layout: Layout | LayoutConfig | None = None,
+    progress: bool = False,
+    settings: Mapping[str, Any] | None = None,
 ) -> tuple[TraceTable, LoadReport]:
     """Every trace file under `paths` in one `TraceTable`, whatever job each names."""
-    jobs, report = _parse_all(paths, progress)
+    jobs, report = _parse_all(paths, progress, settings)
     parsed: dict[str, list[object]] = {}
     for per_format in jobs.values():
         for fmt, items in per_format.items():

@@ -18,8 +18,9 @@ import numpy as np
 
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.nccl_log import NcclRankLog, looks_like_nccl_log, parse_nccl_bytes
-from megatrace.analyzer.reader import Parsed, Reader, ReaderError
-from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
+from megatrace.analyzer.reader_api import Parsed, Reader, ReaderError
+from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
+from megatrace.tracer.format import OP_CODES, P2P_OPS
 
 P2P_SIGNATURE = 255  # op of a send/receive stream's signature
 DTYPE_BYTES = 2  # counts are elements; fp16/bf16 is the common case for training traffic
@@ -156,7 +157,7 @@ def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -
     here = group.index(log.rank)
     if not len(first):
         return group
-    other = here - 1 if int(log.op[first[0]]) == OP_CODE["recv"] else here + 1
+    other = here - 1 if int(log.op[first[0]]) == OP_CODES["recv"] else here + 1
     if not 0 <= other < len(group):
         return group
     return tuple(sorted((log.rank, group[other])))
@@ -237,7 +238,7 @@ def _all_p2p(ops: np.ndarray) -> bool:
     return bool(len(ops)) and bool(np.isin(ops, list(P2P_OPS)).all())
 
 
-def _parse(path: Path) -> Parsed:
+def _parse(path: Path, _settings: None) -> Parsed:
     log = parse_nccl_bytes(path.read_bytes(), str(path))
     if log.rank < 0 or not len(log.enqueue_ns):
         raise ReaderError(f"no readable NCCL log lines ({log.skipped} skipped)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyzer.table import OP_CODE
+from megatrace.tracer.format import OP_CODES
 
 HEAD = b"[save_count "
 NCCL_OPS = {
@@ -139,7 +139,7 @@ def _op_codes(data: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarra
     """Our op code per line, or -1 for an unknown op name."""
     code = np.full(len(start), -1, dtype=np.int16)
     for word, name in NCCL_OPS.items():
-        code[_literal(data, start, end, word)] = OP_CODE[name]
+        code[_literal(data, start, end, word)] = OP_CODES[name]
     return code
 
 
@@ -192,7 +192,7 @@ def _fast_fields(raw: bytes) -> tuple[dict[str, np.ndarray], int] | None:
         return None
     if (fields["nsec"] >= 1_000_000_000).any() or (fields["nsec"] < 0).any():
         return None
-    fields["op"] = np.array([OP_CODE[name] for name in op_map], dtype=np.uint8)[op_cat.codes.to_numpy()]
+    fields["op"] = np.array([OP_CODES[name] for name in op_map], dtype=np.uint8)[op_cat.codes.to_numpy()]
     fields["stream"] = streams[stream_cat.codes.to_numpy()]
     return fields, lines
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatrace.analyzer.table import OPS, TraceTable
+from megatrace.analyzer.table import TraceTable
+from megatrace.tracer.format import op_name
 
 GAP_MULTIPLE = 3.0
 USUAL_MULTIPLE = 20.0  # and never less than this many of the rank's median gaps
@@ -64,7 +65,7 @@ def ended_together(table: TraceTable, silent: dict[int, float]) -> str:
     ((comm, seq, op),) = last
     members = table.comms[comm].members
     return (
-        f"every rank's trace ends after the same completed call, {OPS[op]} #{seq} on a communicator of "
+        f"every rank's trace ends after the same completed call, {op_name(op)} #{seq} on a communicator of "
         f"{len(members)} ranks, and none made a call in the {min(silent.values()):.0f} s or more after it: "
         "the traces end there (the job finished or paused together; nothing in them waits)"
     )

@@ -11,14 +11,17 @@ from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.loader import LoadReport
 from megatrace.analyzer.quiet import ended_together
 from megatrace.analyzer.slow import SlowResult
-from megatrace.analyzer.table import OPS, TraceTable
+from megatrace.analyzer.table import TraceTable
+from megatrace.tracer.format import op_name
 
 CHROME_MAX_EVENTS_PER_RANK = 2000
 
 
-def build_report(
+def analysis_report(
     table: TraceTable, load: LoadReport, hang: HangResult, slow: SlowResult, layout: Layout | None
 ) -> dict:
+    """The analyzer's JSON report (the contract of ``megatrace analyze --format json``) of one job's
+    table, from the hang and slow detectors' results."""
     suspects = []
     hangs = hang.suspects
     notes = [*table.notes, *hang.notes, *slow.notes]
@@ -206,7 +209,7 @@ def chrome_trace(table: TraceTable, report: dict) -> dict:
         end = np.where(done > 0, done, np.where(np.arange(len(enq)) < len(enq) - 1, nxt, tend))
         for i in range(hi - lo):
             row = lo + i
-            name = OPS[int(cols["op"][row])]
+            name = op_name(int(cols["op"][row]))
             events.append(
                 {
                     "name": name + ("" if done[i] > 0 or not info.has_completion else " (never completed)"),

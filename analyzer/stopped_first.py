@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatrace.analyzer.table import OP_CODE
+from megatrace.tracer.format import OP_CODES
 
 SKEW_NS = 5_000_000  # clock skew between nodes is milliseconds
-TRANSFERS = (OP_CODE["send"], OP_CODE["recv"])
+TRANSFERS = (OP_CODES["send"], OP_CODES["recv"])
 
 
 def last_call(table, rank: int) -> tuple[int, bool]:

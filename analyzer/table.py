@@ -4,6 +4,7 @@ Rows are collective/P2P calls; columns are NumPy arrays of equal length. Communi
 interned: column ``comm`` is an index into `TraceTable.comms`, whose entry lists the member global
 ranks. Point-to-point traffic lives in directed channels (``src->dst``) whose ``seq`` is the
 per-channel order, so a send and its matching receive share (comm, seq) just like a collective.
+Column ``op`` holds the op codes of `megatrace.tracer.format.OP_NAMES`, whatever format a call was read from.
 """
 
 from __future__ import annotations
@@ -11,23 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-
-OPS: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "reduce",
-    "all_to_all",
-    "barrier",
-    "send",
-    "recv",
-    "gather",
-    "scatter",
-    "other",
-)
-OP_CODE: dict[str, int] = {name: code for code, name in enumerate(OPS)}
-P2P_OPS = frozenset({OP_CODE["send"], OP_CODE["recv"]})
 
 COLUMNS: dict[str, str] = {
     "rank": "i4",

@@ -2,10 +2,12 @@
 into every process group torch creates.
 
 ``python -m megatrace.tracer.native`` builds the extension against the installed torch (``make`` does)
-into a cache folder keyed by the source, torch and Python versions. `load` never builds and never
-raises: it returns the module, or None with the reason in `load_error`, and the tracer falls back to
-its Python wrappers. `hook_process_groups` wraps each backend as torch registers it with a process
-group, so every collective and point-to-point op reaching the group passes through the wrapper.
+into a cache folder keyed by the source, the ring layout, torch and Python versions; the build first
+writes the layout header (``ring_format.h``) generated from `megatrace.tracer.format` into that folder.
+`load` never builds and never raises: it returns the module, or None with the reason in `load_error`,
+and the tracer falls back to its Python wrappers. `hook_process_groups` wraps each backend as torch
+registers it with a process group, so every collective and point-to-point op reaching the group
+passes through the wrapper.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ from typing import Any
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from megatrace.tracer import ringfile
+from megatrace.tracer import format as ring_format
 
 log = logging.getLogger("megatrace.tracer")
 SOURCE = Path(__file__).with_name("csrc") / "capture.cpp"
 MODULE_NAME = "megatrace_capture"
+HEADER_NAME = "ring_format.h"
 # Backends whose Work completes on the host when wait() returns; others (nccl, xccl) complete when
 # their device work does, which only Work.is_completed() tells.
 HOST_COMPLETION_BACKENDS = frozenset({"gloo", "mpi", "ucc", "fake", "held"})
@@ -39,8 +42,9 @@ _loaded = False
 
 
 def build_dir() -> Path:
-    """Where the extension for this source, torch and Python is built (MEGATRACE_NATIVE_DIR overrides)."""
-    key = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """Where the extension for this source, ring layout, torch and Python is built (MEGATRACE_NATIVE_DIR
+    overrides)."""
+    key = hashlib.sha256(SOURCE.read_bytes() + ring_format.cpp_header().encode()).hexdigest()[:12]
     tag = f"{key}-torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
     root = (
         os.environ.get("MEGATRACE_NATIVE_DIR")
@@ -59,34 +63,29 @@ def build(verbose: bool = False) -> Path:
 
     target = build_dir()
     target.mkdir(parents=True, exist_ok=True)
+    (target / HEADER_NAME).write_text(ring_format.cpp_header())
     load_extension(
         name=MODULE_NAME,
         sources=[str(SOURCE)],
         build_directory=str(target),
+        extra_include_paths=[str(target)],
         extra_cflags=["-O2", "-fvisibility=hidden"],
         verbose=verbose,
     )
     return library_path()
 
 
+def layout_differences(module: ModuleType) -> list[str]:
+    """The names whose value in the library's ``layout()`` differs from `megatrace.tracer.format`'s
+    (every constant, op and dtype code, and the compiled record's field offsets), or that only one has."""
+    native = module.layout()
+    expected = ring_format.native_layout()
+    return sorted(name for name in native.keys() | expected.keys() if native.get(name) != expected.get(name))
+
+
 def _layout_matches(module: ModuleType) -> str:
     """'' when the library writes the ring layout this Python reads, else what differs."""
-    layout = module.layout()
-    expected = {
-        "version": ringfile.FORMAT_VERSION,
-        "header_size": ringfile.HEADER_SIZE,
-        "record_size": ringfile.RECORD_SIZE,
-        "w_step_count": ringfile.W_STEP_COUNT,
-        "w_oldest_inflight_enqueue_ns": ringfile.W_OLDEST_INFLIGHT_ENQUEUE_NS,
-        "w_comm_counters_used": ringfile.W_COMM_COUNTERS_USED,
-        "w_calls_by_op": ringfile.W_CALLS_BY_OP,
-        "w_bytes_by_op": ringfile.W_BYTES_BY_OP,
-        "comm_counters_offset": ringfile.COMM_COUNTERS_OFFSET,
-        "comm_counter_words": ringfile.COMM_COUNTER_WORDS,
-        "max_comm_counters": ringfile.MAX_COMM_COUNTERS,
-        "flag_process_group": ringfile.FLAG_PROCESS_GROUP,
-    }
-    wrong = [key for key, value in expected.items() if layout.get(key) != value]
+    wrong = layout_differences(module)
     return f"ring layout differs in {', '.join(wrong)}" if wrong else ""
 
 

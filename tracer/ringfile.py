@@ -1,9 +1,9 @@
-"""The tracer's per-rank ring file: binary layout, the writer used inside a rank, and `read_ring`.
+"""The tracer's per-rank ring file: the writer used inside a rank, and `read_ring`.
 
 One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 4 KiB header (identity and
-live counters), a communicator table, then a ring of fixed-size records. Format version 1 is described
-in ``docs/tracer-format.md``. This module imports no torch: the exporter and the analyzer read files
-with it while ranks write them.
+live counters), a communicator table, then a ring of fixed-size records. The layout is defined in
+`megatrace.tracer.format` and described in ``docs/tracer-format.md``. This module imports no torch:
+the exporter and the analyzer read files with it while ranks write them.
 """
 
 from __future__ import annotations
@@ -22,127 +22,91 @@ from pathlib import Path
 import numpy as np
 
 from megatrace.regular_files import open_regular
+from megatrace.tracer.format import (
+    C_COMPLETED,
+    C_ID,
+    C_INFLIGHT_ENQUEUE_NS,
+    C_INFLIGHT_OP,
+    C_INFLIGHT_SEQ,
+    C_ISSUED,
+    C_LAST_OP,
+    CAPTURE_NAMES,
+    COMM_COUNTER_WORDS,
+    COMM_COUNTERS_OFFSET,
+    DEVICE_UUID_BYTES,
+    DEVICE_UUID_OFFSET,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    HOST_OFFSET,
+    JOB_OFFSET,
+    MAGIC,
+    MAX_COMM_COUNTERS,
+    MAX_OPS,
+    OP_NAMES,
+    READABLE_VERSIONS,
+    RECORD_DTYPE,
+    RECORD_FIELDS,
+    RECORD_SIZE,
+    TEXT_FIELD_BYTES,
+    W_BYTES_BY_OP,
+    W_CALLS_BY_OP,
+    W_CAPACITY,
+    W_CAPTURE,
+    W_COMM_COUNT,
+    W_COMM_COUNTERS_USED,
+    W_COMM_TABLE_OFFSET,
+    W_COMM_TABLE_SIZE,
+    W_COMM_TABLE_USED,
+    W_CUDA_DEVICE,
+    W_DUMPS_WRITTEN,
+    W_FINISHED,
+    W_HEADER_SIZE,
+    W_LAST_COMPLETE_NS,
+    W_LAST_ENQUEUE_NS,
+    W_LAST_STEP_END_NS,
+    W_LAST_STEP_NS,
+    W_LOCAL_RANK,
+    W_OLDEST_INFLIGHT_ENQUEUE_NS,
+    W_OLDEST_INFLIGHT_OP,
+    W_PID,
+    W_RANK,
+    W_RECORD_SIZE,
+    W_RECORDS_OFFSET,
+    W_STALL_THRESHOLD_NS,
+    W_START_TIME_NS,
+    W_STEP_COUNT,
+    W_VERSION,
+    W_WAIT_NS_TOTAL,
+    W_WORLD_SIZE,
+    W_WRITER_FLAGS,
+    WRITER_HOLDS_LOCK,
+    fields_end,
+)
 
-FORMAT_VERSION = 2
-# Versions `read_ring` and `read_header` accept: version 1 files lack what version 2 added (read as unset).
-READABLE_VERSIONS = frozenset({1, 2})
-MAGIC = b"MEGATRC\x00"
-HEADER_SIZE = 4096
-RECORD_SIZE = 72
-MAX_OPS = 32
+# The code tables, for the ring's writers and readers (defined in `megatrace.tracer.format`).
+from megatrace.tracer.format import DTYPE_CODES as DTYPE_CODES
+from megatrace.tracer.format import DTYPE_NAMES as DTYPE_NAMES
+from megatrace.tracer.format import FLAG_ASYNC as FLAG_ASYNC
+from megatrace.tracer.format import FLAG_PROCESS_GROUP as FLAG_PROCESS_GROUP
+from megatrace.tracer.format import OP_CODES as OP_CODES
+from megatrace.tracer.format import P2P_OPS as P2P_OPS
+
 DEFAULT_CAPACITY = 131072
 DEFAULT_COMM_TABLE_BYTES = 1 << 20
-
-# Header: 8-byte little-endian words at these word indices.
-W_MAGIC = 0
-W_VERSION = 1
-W_HEADER_SIZE = 2
-W_RECORD_SIZE = 3
-W_CAPACITY = 4
-W_COMM_TABLE_OFFSET = 5
-W_COMM_TABLE_SIZE = 6
-W_RECORDS_OFFSET = 7
-W_RANK = 8
-W_LOCAL_RANK = 9
-W_WORLD_SIZE = 10
-W_PID = 11
-W_START_TIME_NS = 12
-W_WAIT_NS_TOTAL = 14
-W_LAST_ENQUEUE_NS = 15
-W_LAST_COMPLETE_NS = 16
-W_OLDEST_INFLIGHT_ENQUEUE_NS = 17
-W_OLDEST_INFLIGHT_OP = 18
-W_STEP_COUNT = 19
-W_LAST_STEP_NS = 20
-W_LAST_STEP_END_NS = 21
-W_FINISHED = 22
-W_COMM_COUNT = 23
-W_COMM_TABLE_USED = 24
-W_DUMPS_WRITTEN = 25
-# Added to version 1 later; older writers left these words 0 (the file is created zero-filled).
-W_STALL_THRESHOLD_NS = 26
-W_WRITER_FLAGS = 27
-# Writer flag: the writing process holds a shared flock on the file for as long as it lives.
-WRITER_HOLDS_LOCK = 1
-# Added in version 2: how ops are captured, the rank's CUDA device, per-communicator counters.
-W_CAPTURE = 28
-W_CUDA_DEVICE = 29
-W_COMM_COUNTERS_USED = 30
-CAPTURE_NAMES = {0: "", 1: "python", 2: "native"}
 CAPTURE_CODES = {name: code for code, name in CAPTURE_NAMES.items() if name}
-W_CALLS_BY_OP = 32
-W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
-JOB_OFFSET = 768
-HOST_OFFSET = 1024
-TEXT_FIELD_BYTES = 256
-DEVICE_UUID_OFFSET = 1280
-DEVICE_UUID_BYTES = 64
-# Per-communicator counters (version 2): up to MAX_COMM_COUNTERS entries of COMM_COUNTER_WORDS words.
-COMM_COUNTERS_OFFSET = 1536
-COMM_COUNTER_WORDS = 8
-MAX_COMM_COUNTERS = 40
-C_ID, C_ISSUED, C_COMPLETED, C_INFLIGHT_OP, C_INFLIGHT_SEQ, C_INFLIGHT_ENQUEUE_NS, C_LAST_OP = range(7)
-
-# Record (72 bytes): `serial` is the commit word, written last (0 while the slot is being written).
-RECORD_DTYPE = np.dtype(
-    {
-        "names": [
-            "serial", "comm_id", "seq", "nbytes", "enqueue_ns", "complete_ns", "step",
-            "rank", "peer", "op", "dtype", "flags",
-        ],
-        "formats": ["<u8", "<u8", "<i8", "<u8", "<i8", "<i8", "<i8", "<i4", "<i4", "u1", "u1", "u1"],
-        "offsets": [0, 8, 16, 24, 32, 40, 48, 56, 60, 64, 65, 66],
-        "itemsize": RECORD_SIZE,
-    }
-)  # fmt: skip
 RECORD_WORDS = RECORD_SIZE // 8
-# The same layout for the record path: one pack_into per record (the serial packed as 0, committed after).
-# Signed words: the same bytes as the unsigned fields for every value they hold (ids are 63-bit), and
-# `struct` converts signed 64-bit ints several times faster than unsigned ones.
-RECORD_STRUCT = struct.Struct("<qqqqqqqiiBBB5x")
+# The record layout for the record path: one pack_into per record (the serial packed as 0, committed
+# after). Signed words: the same bytes as the unsigned fields for every value they hold (ids are
+# 63-bit), and `struct` converts signed 64-bit ints several times faster than unsigned ones.
+_STRUCT_CODES = {"<u8": "q", "<i8": "q", "<i4": "i", "u1": "B"}
+RECORD_STRUCT = struct.Struct(
+    "<" + "".join(_STRUCT_CODES[fmt] for _, fmt, _ in RECORD_FIELDS) + f"{RECORD_SIZE - fields_end()}x"
+)
 # Word/int32/byte positions of fields inside one record, for the writer's memoryviews.
-R_SERIAL, R_COMM_ID, R_SEQ, R_NBYTES, R_ENQUEUE_NS, R_COMPLETE_NS, R_STEP = range(7)
-R_RANK_I32, R_PEER_I32 = 14, 15
-R_OP_BYTE, R_DTYPE_BYTE, R_FLAGS_BYTE = 64, 65, 66
-FLAG_ASYNC = 1
-# Recorded by the native capture at the process-group layer (whether the caller asked async is unknown).
-FLAG_PROCESS_GROUP = 2
-
-OP_NAMES: dict[int, str] = {
-    1: "all_reduce",
-    2: "all_gather",
-    3: "reduce_scatter",
-    4: "broadcast",
-    5: "reduce",
-    6: "all_to_all",
-    7: "barrier",
-    8: "send",
-    9: "recv",
-    10: "gather",
-    11: "scatter",
-}
-OP_CODES: dict[str, int] = {name: code for code, name in OP_NAMES.items()}
-P2P_OPS = frozenset({OP_CODES["send"], OP_CODES["recv"]})
-
-DTYPE_NAMES: dict[int, str] = {
-    0: "none",
-    1: "float32",
-    2: "float16",
-    3: "bfloat16",
-    4: "float64",
-    5: "int8",
-    6: "uint8",
-    7: "int16",
-    8: "int32",
-    9: "int64",
-    10: "bool",
-    11: "float8_e4m3fn",
-    12: "float8_e5m2",
-    13: "complex64",
-    14: "complex128",
-    15: "other",
-}
-DTYPE_CODES: dict[str, int] = {name: code for code, name in DTYPE_NAMES.items()}
+_OFFSET = {name: offset for name, _, offset in RECORD_FIELDS}
+R_COMM_ID, R_SEQ, R_COMPLETE_NS = (_OFFSET[name] // 8 for name in ("comm_id", "seq", "complete_ns"))
+R_PEER_I32 = _OFFSET["peer"] // 4
+R_OP_BYTE = _OFFSET["op"]
 
 
 class RingFormatError(ValueError):

@@ -4,7 +4,8 @@ the end of a step): a send whose receive completed on the peer is not where its 
 from __future__ import annotations
 
 from megatrace.analyzer.hang import detect_hang
-from megatrace.analyzer.table import OP_CODE, RankCalls, RankInfo, TableBuilder, TraceTable, empty_columns
+from megatrace.analyzer.table import RankCalls, RankInfo, TableBuilder, TraceTable, empty_columns
+from megatrace.tracer.format import OP_CODES
 
 MS = 1_000_000
 CHANNEL = ("p2p", 7, 0, 1)
@@ -27,7 +28,7 @@ def _table(delivered: bool) -> TraceTable:
         keys = [CHANNEL, GROUP]
         cols = empty_columns(len(rows))
         cols["rank"][:] = rank
-        cols["op"][:] = [OP_CODE[op] for op, *_ in rows]
+        cols["op"][:] = [OP_CODES[op] for op, *_ in rows]
         cols["comm"][:] = [keys.index(key) for _op, key, *_ in rows]
         cols["seq"][:] = [seq for _op, _key, seq, _e, _d in rows]
         cols["enqueue_ns"][:] = [e for *_rest, e, _d in rows]

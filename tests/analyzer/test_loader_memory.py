@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from megatrace.analyzer.table import RankCalls, RankInfo, TableBuilder, empty_columns
-from megatrace.analyzer.tracer_files import factorize
+from megatrace.analyzer.tracer_formats import factorize
 from tests.support import scenarios as S
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ import re
 import numpy as np
 
 from megatrace.analyzer.slow import detect_slow
-from megatrace.analyzer.table import OP_CODE, RankCalls, RankInfo, TableBuilder, TraceTable, empty_columns
+from megatrace.analyzer.table import RankCalls, RankInfo, TableBuilder, TraceTable, empty_columns
+from megatrace.tracer.format import OP_CODES
 
 STEP_NS = 250_000_000
 # Per communicator: calls per step and each member's mean arrival offset (ms) from the instance's
@@ -46,7 +47,7 @@ def _table(steps: int, seed: int, layout: dict[tuple[int, ...], tuple[int, Offse
         cols["seq"][:] = [s for _c, s, _e, _d in calls]
         cols["enqueue_ns"][:] = [e for _c, _s, e, _d in calls]
         cols["complete_ns"][:] = [d for _c, _s, _e, d in calls]
-        cols["op"][:] = OP_CODE["all_reduce"]
+        cols["op"][:] = OP_CODES["all_reduce"]
         comms = [(members, members, False) for members in layout]
         info = RankInfo(rank, host="node-a", source="synthetic", fmt="ring", has_completion=True)
         builder.add(RankCalls(rank, cols, comms, info), f"rank-{rank}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrace.analyzer.tracer_files import read_ring_file
+from megatrace.analyzer.tracer_formats import read_ring_file
 from megatrace.config import ConfigError
 from megatrace.exporters.cli import build_collectors
 from megatrace.exporters.settings import load

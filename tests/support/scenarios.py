@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
-from megatrace.analyzer.table import OP_CODE, OPS
+from megatrace.tracer.format import OP_CODES, OP_NAMES, op_name
 from megatrace.tracer.ringfile import (
-    OP_CODES,
     RECORD_DTYPE,
     W_CALLS_BY_OP,
     W_WRITER_FLAGS,
@@ -151,7 +150,7 @@ def simulate(sc: Scenario) -> Trace:
             else:
                 blocked[issued] = True
                 comp = np.zeros(len(issued))
-            out.append((issued, c, s, OP_CODE[op], nbytes, enq, comp, np.full(len(issued), -1), step))
+            out.append((issued, c, s, OP_CODES[op], nbytes, enq, comp, np.full(len(issued), -1), step))
 
     def p2p(src: np.ndarray, dst: np.ndarray, nbytes: int, step: int) -> None:
         next_slot()
@@ -164,7 +163,7 @@ def simulate(sc: Scenario) -> Trace:
             for r, peer, op, ok in ((a, b, "send", ok_a), (b, a, "recv", ok_b)):
                 if ok:
                     out.append(
-                        (np.array([r]), c, s, OP_CODE[op], nbytes, np.array([t_free[r]]), np.array([done]),
+                        (np.array([r]), c, s, OP_CODES[op], nbytes, np.array([t_free[r]]), np.array([done]),
                          np.array([peer]), step)
                     )  # fmt: skip
             if done:
@@ -271,7 +270,7 @@ def write_ring_files(
     job_dir.mkdir(parents=True, exist_ok=True)
     world = max(max(c) for c in trace.comms) + 1
     ids = [comm_id(m) for m in trace.comms]
-    op_map = np.array([OP_CODES.get(name, OP_CODES["barrier"]) for name in OPS], dtype=np.uint8)
+    op_map = np.array([c if c in OP_NAMES else OP_CODES["barrier"] for c in range(256)], np.uint8)
     instances = np.bincount(trace.comm_key, minlength=len(trace.comms))  # rows per comm, all ranks
     period = int(max(trace.enqueue_ns.max(), trace.complete_ns.max()) - T0_NS) + 1_000_000
     members = np.array([len(c) for c in trace.comms])
@@ -332,7 +331,7 @@ def write_nccl_logs(
         for i in range(lo, hi):
             k = int(trace.comm_key[i])
             ns = int(trace.enqueue_ns[i])
-            name = NCCL_NAMES.get(OPS[int(trace.op[i])], "AllReduce")
+            name = NCCL_NAMES.get(op_name(int(trace.op[i])), "AllReduce")
             stamp = f"{ns // 1_000_000_000}.{ns % 1_000_000_000:09d}"
             stream = hex(streams[k] + rank * 0x10_0000_0000)
             line = (
@@ -367,7 +366,7 @@ def write_flight_recorder(trace: Trace, out_dir: Path) -> list[Path]:
         entries = []
         for i in range(lo, hi):
             k = int(trace.comm_key[i])
-            name = OPS[int(trace.op[i])]
+            name = op_name(int(trace.op[i]))
             members = trace.comms[k]
             if name in ("send", "recv"):
                 me, peer = members.index(rank), members.index(int(trace.peer[i]))

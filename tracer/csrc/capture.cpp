@@ -2,7 +2,7 @@
 // collective and point-to-point op that reaches it into the rank's ring file, whoever issued it.
 //
 // The issuing thread writes the record (one 72-byte slot of the mapped ring, layout of
-// tracer/ringfile.py) and queues the op's Work; completion is recorded by TracedWork::wait() for
+// tracer/format.py) and queues the op's Work; completion is recorded by TracedWork::wait() for
 // backends whose Work completes on the host (gloo), and otherwise by the completion thread, which
 // polls Work::isCompleted() (on NCCL: a CUDA event query, never blocking a stream).
 #include <torch/extension.h>
@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/utils/pybind.h>
+
+#include "ring_format.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -32,44 +34,9 @@
 
 namespace megatrace {
 
-// Ring layout (checked against tracer/ringfile.py by the loader through layout()).
-constexpr int64_t kFormatVersion = 2;
-constexpr int64_t kHeaderSize = 4096;
-constexpr int64_t kRecordSize = 72;
-constexpr int kWVersion = 1, kWRecordSize = 3, kWCapacity = 4, kWRecordsOffset = 7, kWRank = 8;
-constexpr int kWWaitNsTotal = 14, kWLastEnqueueNs = 15, kWLastCompleteNs = 16;
-constexpr int kWOldestInflightEnqueueNs = 17, kWOldestInflightOp = 18, kWStepCount = 19;
-constexpr int kWCommCountersUsed = 30;
-constexpr int kWCallsByOp = 32, kWBytesByOp = 64, kMaxOps = 32;
-constexpr int64_t kCommCountersOffset = 1536;
-constexpr int kCommCounterWords = 8, kMaxCommCounters = 40;
-// Per-communicator counter entry: words at these indices.
-constexpr int kCId = 0, kCIssued = 1, kCCompleted = 2, kCInflightOp = 3, kCInflightSeq = 4,
-              kCInflightEnqueueNs = 5, kCLastOp = 6;
-constexpr uint8_t kFlagProcessGroup = 2;
+// The ring layout (constants, op and dtype codes, struct Record) comes from ring_format.h, generated
+// from tracer/format.py at build time; the loader compares layout() with that Python definition.
 constexpr size_t kMaxTracked = 65536;
-
-enum Op : uint8_t {
-  kAllReduce = 1, kAllGather = 2, kReduceScatter = 3, kBroadcast = 4, kReduce = 5, kAllToAll = 6,
-  kBarrier = 7, kSend = 8, kRecv = 9, kGather = 10, kScatter = 11,
-};
-
-struct Record {
-  int64_t serial;
-  int64_t comm_id;
-  int64_t seq;
-  int64_t nbytes;
-  int64_t enqueue_ns;
-  int64_t complete_ns;
-  int64_t step;
-  int32_t rank;
-  int32_t peer;
-  uint8_t op;
-  uint8_t dtype;
-  uint8_t flags;
-  uint8_t pad[5];
-};
-static_assert(sizeof(Record) == kRecordSize, "record layout");
 
 inline int64_t now_ns() {
   timespec ts;
@@ -83,21 +50,21 @@ inline void add(int64_t* word, int64_t value) { __atomic_fetch_add(word, value, 
 
 uint8_t dtype_code(c10::ScalarType type) {
   switch (type) {
-    case c10::ScalarType::Float: return 1;
-    case c10::ScalarType::Half: return 2;
-    case c10::ScalarType::BFloat16: return 3;
-    case c10::ScalarType::Double: return 4;
-    case c10::ScalarType::Char: return 5;
-    case c10::ScalarType::Byte: return 6;
-    case c10::ScalarType::Short: return 7;
-    case c10::ScalarType::Int: return 8;
-    case c10::ScalarType::Long: return 9;
-    case c10::ScalarType::Bool: return 10;
-    case c10::ScalarType::Float8_e4m3fn: return 11;
-    case c10::ScalarType::Float8_e5m2: return 12;
-    case c10::ScalarType::ComplexFloat: return 13;
-    case c10::ScalarType::ComplexDouble: return 14;
-    default: return 15;
+    case c10::ScalarType::Float: return kDtypeFloat32;
+    case c10::ScalarType::Half: return kDtypeFloat16;
+    case c10::ScalarType::BFloat16: return kDtypeBfloat16;
+    case c10::ScalarType::Double: return kDtypeFloat64;
+    case c10::ScalarType::Char: return kDtypeInt8;
+    case c10::ScalarType::Byte: return kDtypeUint8;
+    case c10::ScalarType::Short: return kDtypeInt16;
+    case c10::ScalarType::Int: return kDtypeInt32;
+    case c10::ScalarType::Long: return kDtypeInt64;
+    case c10::ScalarType::Bool: return kDtypeBool;
+    case c10::ScalarType::Float8_e4m3fn: return kDtypeFloat8E4m3fn;
+    case c10::ScalarType::Float8_e5m2: return kDtypeFloat8E5m2;
+    case c10::ScalarType::ComplexFloat: return kDtypeComplex64;
+    case c10::ScalarType::ComplexDouble: return kDtypeComplex128;
+    default: return kDtypeOther;
   }
 }
 
@@ -263,7 +230,7 @@ class TracedWork : public c10d::Work {
     if (ring == nullptr) return;
     int64_t now = now_ns();
     Record* record = ring->records + (serial_ - 1) % ring->capacity;
-    if (__atomic_load_n(&record->serial, __ATOMIC_ACQUIRE) == serial_) store(&record->complete_ns, now);
+    if (static_cast<int64_t>(__atomic_load_n(&record->serial, __ATOMIC_ACQUIRE)) == serial_) store(&record->complete_ns, now);
     store(ring->header + kWLastCompleteNs, now);
     add(ring->header + kWWaitNsTotal, now - enqueue_ns_);
     if (comm_slot_ >= 0) add(comm_counters(ring, comm_slot_) + kCCompleted, 1);
@@ -384,7 +351,7 @@ int64_t tensors_bytes(const std::vector<at::Tensor>& tensors) {
 }
 
 uint8_t tensors_dtype(const std::vector<at::Tensor>& tensors) {
-  return tensors.empty() ? 0 : dtype_code(tensors.back().scalar_type());
+  return tensors.empty() ? kDtypeNone : dtype_code(tensors.back().scalar_type());
 }
 
 // Computes the communicator id of a split-off group in Python (same hash as everywhere else).
@@ -856,20 +823,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Megatrace native capture: records every op reaching a c10d backend into the ring file.";
   m.def("layout", [] {
     py::dict layout;
-    layout["version"] = kFormatVersion;
-    layout["header_size"] = kHeaderSize;
-    layout["record_size"] = kRecordSize;
-    layout["w_step_count"] = kWStepCount;
-    layout["w_oldest_inflight_enqueue_ns"] = kWOldestInflightEnqueueNs;
-    layout["w_comm_counters_used"] = kWCommCountersUsed;
-    layout["w_calls_by_op"] = kWCallsByOp;
-    layout["w_bytes_by_op"] = kWBytesByOp;
-    layout["comm_counters_offset"] = kCommCountersOffset;
-    layout["comm_counter_words"] = kCommCounterWords;
-    layout["max_comm_counters"] = kMaxCommCounters;
-    layout["flag_process_group"] = kFlagProcessGroup;
+    for (const auto& [name, value] : layout_entries()) layout[name] = value;
     return layout;
-  });
+  }, "The ring layout this library was compiled with, by the names of megatrace.tracer.format.");
   m.def("attach", &attach, "Map the ring file at `path` and record into it; starts the completion thread.");
   m.def("detach", &detach, py::call_guard<py::gil_scoped_release>(),
         "Stop recording, stop the completion thread and unmap the ring.");

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrace.analyzer.reader import Parsed, Reader, each_alone
-from megatrace.analyzer.table import OP_CODE, P2P_OPS, RankCalls, RankInfo, empty_columns
+from megatrace.analyzer.reader_api import Parsed, Reader, each_alone
+from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
 from megatrace.regular_files import open_regular
 from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
+from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, P2P_OPS, W_MAGIC
 from megatrace.tracer.ringfile import (
     HEADER_SIZE,
     MAGIC,
     MAX_OPS,
-    OP_NAMES,
     RECORD_DTYPE,
     W_CALLS_BY_OP,
     W_CAPACITY,
@@ -24,7 +24,6 @@ from megatrace.tracer.ringfile import (
     W_COMM_TABLE_OFFSET,
     W_COMM_TABLE_SIZE,
     W_COMM_TABLE_USED,
-    W_MAGIC,
     W_RECORDS_OFFSET,
     RingFormatError,
     RingSnapshot,
@@ -34,10 +33,9 @@ from megatrace.tracer.ringfile import (
     writer_holds_lock,
 )
 
-# tracer op code -> analyzer op code
-_OP_MAP = np.full(256, OP_CODE["other"], dtype=np.uint8)
-for _code, _name in OP_NAMES.items():
-    _OP_MAP[_code] = OP_CODE.get(_name, OP_CODE["other"])
+# a record's op byte -> the table's op code: the same code, "other" for a byte the table lacks
+_OP_MAP = np.full(256, OP_OTHER, dtype=np.uint8)
+_OP_MAP[list(OP_NAMES)] = list(OP_NAMES)
 
 
 def read_ring_file(path: Path) -> RingSnapshot:
@@ -107,7 +105,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     if is_p2p.any():
         # one int64 key per (communicator, direction): collectives keep their communicator's index,
         # sends and receives get a directed channel src->dst
-        is_send = ops == OP_CODE["send"]
+        is_send = ops == OP_CODES["send"]
         src = np.where(is_send, rank, rec["peer"]).astype(np.int64)
         dst = np.where(is_send, rec["peer"], rank).astype(np.int64)
         width = int(max(rank, int(rec["peer"].max()))) + 1
@@ -137,7 +135,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     return RankCalls(rank, cols, comms, info)
 
 
-def _parse_ring(path: Path) -> Parsed:
+def _parse_ring(path: Path, _settings: None) -> Parsed:
     snapshot = read_ring_file(path)
     calls = snapshot_calls(snapshot, str(path), "ring")
     if snapshot.header.writer_locks and not writer_holds_lock(path):
@@ -154,7 +152,7 @@ def _parse_ring(path: Path) -> Parsed:
     return Parsed(calls)
 
 
-def _parse_dump(path: Path) -> Parsed:
+def _parse_dump(path: Path, _settings: None) -> Parsed:
     return Parsed(snapshot_calls(read_dump(path), str(path), "dump"))
 
 

@@ -1,7 +1,10 @@
 """What one trace format provides the loader: recognise a file, parse it, turn all parsed files into calls.
 
-Each format module defines one `Reader`; `megatrace.analyzer.readers.READERS` lists them. A format
-whose files must be read together (communicators matched across ranks) does that in `resolve`.
+Each format module defines one `Reader`; `megatrace.analyzer.formats.READERS` lists them. A format
+whose files must be read together (communicators matched across ranks) does that in `resolve`. A
+format with settings declares them as a dataclass (every field with a default) in `Reader.settings`;
+its settings key is its name, and `parse` receives the settings of this run (None for a reader
+without settings).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ class Reader:
     name: str
     priority: int
     detect: Callable[[bytes], bool]
-    parse: Callable[[Path], Parsed]
+    parse: Callable[[Path, Any], Parsed]
     resolve: Callable[[list[Any], Layout | None], list[RankCalls]]
+    settings: type | None = None
 
 
 def each_alone(items: list[RankCalls], _layout: Layout | None) -> list[RankCalls]:

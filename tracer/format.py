@@ -1,0 +1,261 @@
+"""The ring file format, defined once: header words, offsets, the record's fields, flags and code tables.
+
+`megatrace.tracer.ringfile` (the Python writer and every reader) takes its layout from here, and the
+native capture's C++ header is generated from it (`cpp_header`, written into the build folder by
+`megatrace.tracer.native` at build time), so the two writers cannot disagree. The op-code table
+(`OP_NAMES`) is also the analyzer's: every trace format is read into these codes. Changing a value here
+changes the on-disk format (``docs/tracer-format.md``): bump `FORMAT_VERSION` and keep old versions
+readable.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+FORMAT_VERSION = 2
+# Versions the readers accept: version 1 files lack what version 2 added (read as unset).
+READABLE_VERSIONS = frozenset({1, 2})
+MAGIC = b"MEGATRC\x00"
+HEADER_SIZE = 4096
+RECORD_SIZE = 72
+# Per-op counters in the header: one word per op code below MAX_OPS.
+MAX_OPS = 32
+
+# Header: 8-byte little-endian words at these word indices.
+W_MAGIC = 0
+W_VERSION = 1
+W_HEADER_SIZE = 2
+W_RECORD_SIZE = 3
+W_CAPACITY = 4
+W_COMM_TABLE_OFFSET = 5
+W_COMM_TABLE_SIZE = 6
+W_RECORDS_OFFSET = 7
+W_RANK = 8
+W_LOCAL_RANK = 9
+W_WORLD_SIZE = 10
+W_PID = 11
+W_START_TIME_NS = 12
+W_WAIT_NS_TOTAL = 14
+W_LAST_ENQUEUE_NS = 15
+W_LAST_COMPLETE_NS = 16
+W_OLDEST_INFLIGHT_ENQUEUE_NS = 17
+W_OLDEST_INFLIGHT_OP = 18
+W_STEP_COUNT = 19
+W_LAST_STEP_NS = 20
+W_LAST_STEP_END_NS = 21
+W_FINISHED = 22
+W_COMM_COUNT = 23
+W_COMM_TABLE_USED = 24
+W_DUMPS_WRITTEN = 25
+# Added to version 1 later; older writers left these words 0 (the file is created zero-filled).
+W_STALL_THRESHOLD_NS = 26
+W_WRITER_FLAGS = 27
+# Added in version 2: how ops are captured, the rank's CUDA device, per-communicator counters.
+W_CAPTURE = 28
+W_CUDA_DEVICE = 29
+W_COMM_COUNTERS_USED = 30
+W_CALLS_BY_OP = 32
+W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
+# Byte offsets of the text fields (UTF-8, NUL-padded).
+JOB_OFFSET = 768
+HOST_OFFSET = 1024
+TEXT_FIELD_BYTES = 256
+DEVICE_UUID_OFFSET = 1280
+DEVICE_UUID_BYTES = 64
+# Per-communicator counters (version 2): up to MAX_COMM_COUNTERS entries of COMM_COUNTER_WORDS words,
+# from byte COMM_COUNTERS_OFFSET; the C_* names are word indices inside one entry.
+COMM_COUNTERS_OFFSET = 1536
+COMM_COUNTER_WORDS = 8
+MAX_COMM_COUNTERS = 40
+C_ID = 0
+C_ISSUED = 1
+C_COMPLETED = 2
+C_INFLIGHT_OP = 3
+C_INFLIGHT_SEQ = 4
+C_INFLIGHT_ENQUEUE_NS = 5
+C_LAST_OP = 6
+
+# Writer flag (word W_WRITER_FLAGS): the writing process holds a shared flock on the file while it lives.
+WRITER_HOLDS_LOCK = 1
+# Record flags: the caller asked for an async op; recorded by the native capture at the process-group
+# layer (where whether the caller asked async is unknown).
+FLAG_ASYNC = 1
+FLAG_PROCESS_GROUP = 2
+# Word W_CAPTURE: how the rank's ops are captured.
+CAPTURE_NAMES: dict[int, str] = {0: "", 1: "python", 2: "native"}
+
+
+def _packed(*fields: tuple[str, str]) -> tuple[tuple[str, str, int], ...]:
+    """(field, NumPy type, byte offset) of fields laid out back to back in the order given."""
+    out, offset = [], 0
+    for name, fmt in fields:
+        out.append((name, fmt, offset))
+        offset += np.dtype(fmt).itemsize
+    return tuple(out)
+
+
+# Record (72 bytes): (field, little-endian NumPy type, byte offset), packed in this order. `serial` is
+# the commit word, written last (0 while the slot is being written); the rest of the record is padding.
+RECORD_FIELDS = _packed(
+    ("serial", "<u8"), ("comm_id", "<u8"), ("seq", "<i8"), ("nbytes", "<u8"), ("enqueue_ns", "<i8"),
+    ("complete_ns", "<i8"), ("step", "<i8"), ("rank", "<i4"), ("peer", "<i4"),
+    ("op", "u1"), ("dtype", "u1"), ("flags", "u1"),
+)  # fmt: skip
+
+
+def fields_end() -> int:
+    """The byte after a record's last field (the padding runs from there to RECORD_SIZE)."""
+    _, fmt, offset = RECORD_FIELDS[-1]
+    return offset + np.dtype(fmt).itemsize
+
+
+RECORD_DTYPE = np.dtype(
+    {
+        "names": [name for name, _, _ in RECORD_FIELDS],
+        "formats": [fmt for _, fmt, _ in RECORD_FIELDS],
+        "offsets": [offset for _, _, offset in RECORD_FIELDS],
+        "itemsize": RECORD_SIZE,
+    }
+)
+
+# The op codes of every trace format: the tracers write them into records and per-op counters, and the
+# analyzer reads every format into them.
+OP_NAMES: dict[int, str] = {
+    1: "all_reduce",
+    2: "all_gather",
+    3: "reduce_scatter",
+    4: "broadcast",
+    5: "reduce",
+    6: "all_to_all",
+    7: "barrier",
+    8: "send",
+    9: "recv",
+    10: "gather",
+    11: "scatter",
+}
+OP_CODES: dict[str, int] = {name: code for code, name in OP_NAMES.items()}
+# The analyzer's code for an op of another format that the table does not name (no tracer writes it).
+OP_OTHER = 12
+P2P_OPS = frozenset({OP_CODES["send"], OP_CODES["recv"]})
+
+
+def op_name(code: int) -> str:
+    """The name of op code `code`; "other" for a code the table does not hold."""
+    return OP_NAMES.get(code, "other")
+
+
+DTYPE_NAMES: dict[int, str] = {
+    0: "none",
+    1: "float32",
+    2: "float16",
+    3: "bfloat16",
+    4: "float64",
+    5: "int8",
+    6: "uint8",
+    7: "int16",
+    8: "int32",
+    9: "int64",
+    10: "bool",
+    11: "float8_e4m3fn",
+    12: "float8_e5m2",
+    13: "complex64",
+    14: "complex128",
+    15: "other",
+}
+DTYPE_CODES: dict[str, int] = {name: code for code, name in DTYPE_NAMES.items()}
+
+_UPPER_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_C_TYPES = {"<u8": "uint64_t", "<i8": "int64_t", "<i4": "int32_t", "u1": "uint8_t"}
+
+
+def layout_constants() -> dict[str, int]:
+    """Every integer constant of this module by name (word indices, sizes, offsets, flags, version)."""
+    constants = {
+        name: value for name, value in globals().items() if _UPPER_NAME.match(name) and type(value) is int
+    }
+    return dict(sorted(constants.items()))
+
+
+def native_layout() -> dict[str, int]:
+    """What the native module's ``layout()`` must report: the constants, the op and dtype codes, and
+    each record field's offset and the record's size as the compiler laid out the C++ struct."""
+    layout = dict(layout_constants())
+    layout.update({f"OP_{name.upper()}": code for code, name in OP_NAMES.items()})
+    layout.update({f"DTYPE_{name.upper()}": code for code, name in DTYPE_NAMES.items()})
+    layout.update({f"RECORD_{name.upper()}_OFFSET": offset for name, _, offset in RECORD_FIELDS})
+    layout["RECORD_STRUCT_SIZE"] = RECORD_SIZE
+    return layout
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.lower().split("_"))
+
+
+def _cpp_constants() -> list[str]:
+    lines = []
+    for name, value in layout_constants().items():
+        kind = "uint8_t" if name.startswith("FLAG_") else "int64_t"
+        lines.append(f"constexpr {kind} k{_camel(name)} = {value};")
+    magic = ", ".join(str(byte) for byte in MAGIC)
+    lines.append(f"constexpr uint8_t kMagic[{len(MAGIC)}] = {{{magic}}};")
+    ops = ", ".join(f"k{_camel(name)} = {code}" for code, name in OP_NAMES.items())
+    lines += ["", f"enum Op : uint8_t {{ {ops} }};", ""]
+    lines += [f"constexpr uint8_t kDtype{_camel(name)} = {code};" for code, name in DTYPE_NAMES.items()]
+    return lines
+
+
+def _cpp_record() -> list[str]:
+    lines = ["struct Record {"]
+    lines += [f"  {_C_TYPES[fmt]} {name};" for name, fmt, _ in RECORD_FIELDS]
+    lines += [f"  uint8_t pad[{RECORD_SIZE - fields_end()}];", "};"]
+    lines.append('static_assert(sizeof(Record) == kRecordSize, "record");')
+    for name, _, offset in RECORD_FIELDS:
+        lines.append(f'static_assert(offsetof(Record, {name}) == {offset}, "record field {name}");')
+    return lines
+
+
+def _cpp_layout_entries() -> list[str]:
+    entries = [(name, f"k{_camel(name)}") for name in layout_constants()]
+    entries += [(f"OP_{name.upper()}", f"k{_camel(name)}") for name in OP_NAMES.values()]
+    entries += [(f"DTYPE_{name.upper()}", f"kDtype{_camel(name)}") for name in DTYPE_NAMES.values()]
+    entries += [
+        (f"RECORD_{name.upper()}_OFFSET", f"offsetof(Record, {name})") for name, _, _ in RECORD_FIELDS
+    ]
+    entries.append(("RECORD_STRUCT_SIZE", "sizeof(Record)"))
+    return [
+        "// Every constant above by its Python name, for the loader's comparison.",
+        "",
+        "inline std::vector<std::pair<const char*, int64_t>> layout_entries() {",
+        "  return {",
+        *(f'      {{"{name}", static_cast<int64_t>({expr})}},' for name, expr in entries),
+        "  };",
+        "}",
+    ]
+
+
+def cpp_header() -> str:
+    """The C++ header the native capture compiles against (``ring_format.h``): the same layout as
+    constants (``W_STEP_COUNT`` becomes ``kWStepCount``), the op and dtype codes, the `Record` struct,
+    and ``layout_entries()``, which the module's ``layout()`` returns for the loader to compare."""
+    lines = [
+        "// Generated by megatrace.tracer.format.cpp_header() at build time; do not edit.",
+        "#pragma once",
+        "#include <cstddef>",
+        "#include <cstdint>",
+        "#include <utility>",
+        "#include <vector>",
+        "",
+        "namespace megatrace {",
+        "",
+        *_cpp_constants(),
+        "",
+        *_cpp_record(),
+        "",
+        *_cpp_layout_entries(),
+        "",
+        "}  // namespace megatrace",
+        "",
+    ]
+    return "\n".join(lines)
