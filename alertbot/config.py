@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from apscheduler.triggers.cron import CronTrigger
 
 from megatrace.config import ConfigError, env_overrides, merge, read_yaml, validate
+from megatrace.listen import parse_host_port
 from megatrace.logsetup import register_secret
 
 LEVELS = ("P0", "P1", "P2", "P3")
@@ -301,11 +302,12 @@ def app_configured(cfg: AlertbotConfig) -> bool:
 
 
 def listen_address(listen: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (IPv6 hosts in brackets) into host and port."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"key 'listen': expected HOST:PORT, got {listen!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    """Split ``HOST:PORT`` (IPv6 hosts in brackets) into host and port; port 0 picks a free one."""
+    try:
+        host, port = parse_host_port(listen, allow_port_zero=True)
+    except ValueError as exc:
+        raise ConfigError(f"key 'listen': {exc}") from None
+    return host, port
 
 
 def drilldown_enabled(drill: DrilldownConfig) -> bool:

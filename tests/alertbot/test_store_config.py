@@ -13,6 +13,7 @@ import pytest
 
 from megatrace.alertbot.config import cron_trigger, load
 from megatrace.alertbot.feishu import FeishuApp
+from megatrace.alertbot.kinds import EpisodeStatus
 from megatrace.alertbot.store import MIGRATIONS, StoreError, sqlite_store
 from megatrace.config import ConfigError
 from megatrace.logsetup import setup_logging
@@ -64,6 +65,18 @@ def test_retention_deletes_finished_history_only(tmp_path: Path) -> None:
     left = bot.store.db.query("SELECT labels FROM episodes")
     assert [json.loads(r["labels"])["job"] for r in left] == ["open"]
     assert bot.store.outbox.queue_depth() == 1
+
+
+def test_retention_deletes_quarantined_episodes_like_resolved_ones(tmp_path: Path) -> None:
+    """An episode reconciliation could not resolve is set aside as quarantined; it is finished
+    history too, and was once kept for ever (the purge knew only 'resolved')."""
+    bot = Bot(config(tmp_path, delivery={"report_only_levels": ["P0", "P1", "P2", "P3"]}))
+    bot.receive(webhook(alert(job="lost", starts_at=T0)), T0)
+    bot.receive(webhook(alert(job="open", starts_at=T0)), T0)
+    [lost, _] = bot.store.episodes.firing()
+    bot.store.episodes.update(lost.id, status=EpisodeStatus.QUARANTINED)
+    assert bot.store.purge(T0 + 86400)["episodes"] == 1
+    assert [e.job for e in bot.store.episodes.between(T0 - 1, T0 + 1)] == ["open"]
 
 
 def test_in_doubt_group_bot_post_is_checked_in_chat_history(tmp_path: Path, feishu: FeishuServer) -> None:
