@@ -89,190 +89,201 @@ def silence_request(body: bytes) -> tuple[dict[str, str], float, str, str]:
     return matchers, duration, comment[:500], created_by[:100]
 
 
-def make_server(service: Service) -> ThreadingHTTPServer:
-    """An HTTP server bound to the configured listen address, serving `service`."""
+class BotHandler(BaseHTTPRequestHandler):
+    """One connection to the bot: Alertmanager's webhook and silences (authenticated), Feishu's card
+    callbacks (signed), and the probes and metrics."""
 
-    class Handler(BaseHTTPRequestHandler):
-        server_version = "megatrace-alertbot"
-        protocol_version = "HTTP/1.1"
-        timeout = service.cfg.read_timeout_s  # each read from the client; an idle keep-alive ends too
+    server_version = "megatrace-alertbot"
+    protocol_version = "HTTP/1.1"
+    server: BotHTTPServer
 
-        def log_message(self, fmt: str, *args: Any) -> None:
-            log.debug("%s %s", self.address_string(), fmt % args)
+    @property
+    def service(self) -> Service:
+        return self.server.service
 
-        def reply(self, status: int, payload: Any, content_type: str = "application/json") -> None:
-            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            if status == 401:
-                self.send_header("WWW-Authenticate", 'Bearer realm="megatrace", Basic realm="megatrace"')
-            self.end_headers()
-            self.wfile.write(data)
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.service.cfg.read_timeout_s)  # each read; an idle keep-alive ends too
 
-        def read_body(self, limit: int, refuse: Callable[[int], None]) -> bytearray | None:
-            """The whole body, or None after answering why not (`refuse(length)` when over `limit`)."""
-            header = self.headers.get("Content-Length")
-            if header is None:
-                self.close_connection = True
-                self.reply(411, {"error": "Content-Length header required"})
-                return None
-            if not re.fullmatch(r"[0-9]{1,19}", header.strip()):
-                self.close_connection = True
-                self.reply(400, {"error": "Content-Length: expected a decimal number of bytes"})
-                return None
-            length = int(header)
-            if length > limit:
-                refuse(length)
-                return None
-            body = bytearray(length)  # one buffer, filled in place: no chunks joined into a copy
-            try:
-                received = self.rfile.readinto(body) or 0
-                while 0 < received < length and (more := self.rfile.readinto(memoryview(body)[received:])):
-                    received += more
-            except TimeoutError:
-                received = 0
-            if received < length:
-                self.close_connection = True
-                self.reply(408, {"error": f"body not received within {service.cfg.read_timeout_s:g}s"})
-                return None
-            return body
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), fmt % args)
 
-        def refuse_large_callback(self, length: int) -> None:
-            """413 for a callback body over `CALLBACK_MAX_BODY`, before a byte of it is read."""
+    def reply(self, status: int, payload: Any, content_type: str = "application/json") -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="megatrace", Basic realm="megatrace"')
+        self.end_headers()
+        self.wfile.write(data)
+
+    def read_body(self, limit: int, refuse: Callable[[int], None]) -> bytearray | None:
+        """The whole body, or None after answering why not (`refuse(length)` when over `limit`)."""
+        header = self.headers.get("Content-Length")
+        if header is None:
             self.close_connection = True
-            service.metrics.webhooks.labels("callback_rejected").inc()
-            log.warning("refused a %d-byte Feishu callback from %s", length, self.address_string())
-            self.reply(413, {"error": f"body larger than {CALLBACK_MAX_BODY} bytes"})
-
-        def refuse_too_large(self, length: int) -> None:
-            """413 for a body over `max_body_bytes`, counted and logged with the group key its
-            first bytes name (Alertmanager writes ``groupKey`` near the start), so that what
-            Alertmanager gives up on is known; reconciliation, when on, recovers the group."""
+            self.reply(411, {"error": "Content-Length header required"})
+            return None
+        if not re.fullmatch(r"[0-9]{1,19}", header.strip()):
             self.close_connection = True
-            try:
-                head = self.rfile.read(min(length, GROUP_KEY_SCAN))
-            except TimeoutError:
-                head = b""
-            found = GROUP_KEY.search(head)
-            group = found.group(1).decode("utf-8", "replace") if found else "(not in the first bytes)"
-            service.metrics.webhooks.labels("too_large").inc()
-            log.error(
-                "refused a %d-byte request to %s over max_body_bytes %d, group key %s; %s",
-                length,
-                self.path.split("?", 1)[0],
-                service.cfg.max_body_bytes,
-                group,
-                "reconciliation will fetch its alerts"
-                if service.cfg.alertmanager.url
-                else "its alerts are lost unless alertmanager.url is set (reconciliation)",
+            self.reply(400, {"error": "Content-Length: expected a decimal number of bytes"})
+            return None
+        length = int(header)
+        if length > limit:
+            refuse(length)
+            return None
+        body = bytearray(length)  # one buffer, filled in place: no chunks joined into a copy
+        try:
+            received = self.rfile.readinto(body) or 0
+            while 0 < received < length and (more := self.rfile.readinto(memoryview(body)[received:])):
+                received += more
+        except TimeoutError:
+            received = 0
+        if received < length:
+            self.close_connection = True
+            self.reply(408, {"error": f"body not received within {self.service.cfg.read_timeout_s:g}s"})
+            return None
+        return body
+
+    def refuse_large_callback(self, length: int) -> None:
+        """413 for a callback body over `CALLBACK_MAX_BODY`, before a byte of it is read."""
+        self.close_connection = True
+        self.service.metrics.webhooks.labels("callback_rejected").inc()
+        log.warning("refused a %d-byte Feishu callback from %s", length, self.address_string())
+        self.reply(413, {"error": f"body larger than {CALLBACK_MAX_BODY} bytes"})
+
+    def refuse_too_large(self, length: int) -> None:
+        """413 for a body over `max_body_bytes`, counted and logged with the group key its
+        first bytes name (Alertmanager writes ``groupKey`` near the start), so that what
+        Alertmanager gives up on is known; reconciliation, when on, recovers the group."""
+        self.close_connection = True
+        try:
+            head = self.rfile.read(min(length, GROUP_KEY_SCAN))
+        except TimeoutError:
+            head = b""
+        found = GROUP_KEY.search(head)
+        group = found.group(1).decode("utf-8", "replace") if found else "(not in the first bytes)"
+        self.service.metrics.webhooks.labels("too_large").inc()
+        log.error(
+            "refused a %d-byte request to %s over max_body_bytes %d, group key %s; %s",
+            length,
+            self.path.split("?", 1)[0],
+            self.service.cfg.max_body_bytes,
+            group,
+            "reconciliation will fetch its alerts"
+            if self.service.cfg.alertmanager.url
+            else "its alerts are lost unless alertmanager.url is set (reconciliation)",
+        )
+        self.reply(413, {"error": f"body larger than {self.service.cfg.max_body_bytes} bytes"})
+
+    def authenticate(self) -> bool:
+        if authorized(self.headers.get("Authorization"), self.service.cfg.auth):
+            return True
+        self.service.metrics.webhooks.labels("unauthorized").inc()
+        self.reply(401, {"error": "missing or wrong credentials"})
+        return False
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self.reply(*self.service.liveness())
+        elif path == "/readyz":
+            self.reply(*self.service.readiness())
+        elif path == "/metrics":
+            self.reply(200, self.service.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
+        else:
+            self.reply(404, {"error": "not found"})
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/feishu/callback" and self.service.cfg.feishu.callback.mode == "request_url":
+            body = self.read_body(CALLBACK_MAX_BODY, self.refuse_large_callback)
+            if body is not None:
+                self.card_callback(bytes(body))
+            return
+        if path not in ("/alertmanager", "/silence"):
+            self.reply(404, {"error": "not found"})
+            return
+        if not self.authenticate():
+            return
+        body = self.read_body(self.service.cfg.max_body_bytes, self.refuse_too_large)
+        if body is None:
+            return
+        if path == "/alertmanager":
+            self.webhook(body)
+        else:
+            self.silence(bytes(body))
+
+    def webhook(self, body: bytearray) -> None:
+        try:
+            text = body.decode("utf-8")
+            del body[:]  # a large group is held once, as the text the store keeps
+            webhook = parse_webhook(text)
+        except UnicodeDecodeError:
+            self.service.metrics.webhooks.labels("rejected").inc()
+            self.reply(400, {"error": "body is not UTF-8 JSON"})
+            return
+        except PayloadError as exc:
+            self.service.metrics.webhooks.labels("rejected").inc()
+            log.warning("rejected webhook from %s: %s", self.address_string(), exc)
+            self.reply(400, {"error": str(exc)})
+            return
+        try:
+            self.service.store.inbox.add("webhook", text, time.time())
+        except Exception:
+            log.exception("cannot store webhook")
+            self.service.metrics.webhooks.labels("store_failed").inc()
+            self.reply(503, {"error": "cannot store the alert now; retry"})
+            return
+        self.service.metrics.webhooks.labels("accepted").inc()
+        self.service.wake()
+        self.reply(200, {"status": "stored", "alerts": len(webhook.alerts)})
+
+    def card_callback(self, body: bytes) -> None:
+        """A Feishu card action (request-URL mode): authenticated by Feishu's signature and
+        verification token instead of our credentials; answered within Feishu's 3 s. The
+        module (and lark-oapi) was loaded when the service started (`Service.__init__`)."""
+        from megatrace.alertbot.callbacks import CallbackRejected, verify_request
+
+        try:
+            callback = verify_request(self.service.cfg.feishu.callback, self.headers, body, time.time())
+        except CallbackRejected as exc:
+            self.service.metrics.webhooks.labels("callback_rejected").inc()
+            log.warning("rejected Feishu callback from %s: %s", self.address_string(), exc)
+            self.reply(exc.status, {"msg": "rejected"})
+            return
+        if callback.get("type") == "url_verification":
+            self.reply(200, {"challenge": callback.get("challenge", "")})
+            return
+        self.reply(200, self.service.card_action(callback, "request_url"))
+
+    def silence(self, body: bytes) -> None:
+        if not self.service.cfg.alertmanager.url:
+            self.reply(503, {"error": "alertmanager.url is not configured"})
+            return
+        try:
+            matchers, duration, comment, created_by = silence_request(body)
+        except ValueError as exc:
+            self.reply(400, {"error": str(exc)})
+            return
+        now = time.time()
+        try:
+            silence_id = create_silence(
+                self.service.cfg.alertmanager, matchers, now, now + duration, created_by, comment
             )
-            self.reply(413, {"error": f"body larger than {service.cfg.max_body_bytes} bytes"})
+        except AlertmanagerError as exc:
+            self.reply(502, {"error": str(exc)})
+            return
+        log.info("silence %s created for %s for %.0fs by %s", silence_id, matchers, duration, created_by)
+        self.reply(200, {"silenceID": silence_id})
 
-        def authenticate(self) -> bool:
-            if authorized(self.headers.get("Authorization"), service.cfg.auth):
-                return True
-            service.metrics.webhooks.labels("unauthorized").inc()
-            self.reply(401, {"error": "missing or wrong credentials"})
-            return False
 
-        def do_GET(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/healthz":
-                self.reply(*service.liveness())
-            elif path == "/readyz":
-                self.reply(*service.readiness())
-            elif path == "/metrics":
-                self.reply(200, service.metrics.exposition(), "text/plain; version=0.0.4; charset=utf-8")
-            else:
-                self.reply(404, {"error": "not found"})
-
-        def do_POST(self) -> None:
-            path = self.path.split("?", 1)[0]
-            if path == "/feishu/callback" and service.cfg.feishu.callback.mode == "request_url":
-                body = self.read_body(CALLBACK_MAX_BODY, self.refuse_large_callback)
-                if body is not None:
-                    self.card_callback(bytes(body))
-                return
-            if path not in ("/alertmanager", "/silence"):
-                self.reply(404, {"error": "not found"})
-                return
-            if not self.authenticate():
-                return
-            body = self.read_body(service.cfg.max_body_bytes, self.refuse_too_large)
-            if body is None:
-                return
-            if path == "/alertmanager":
-                self.webhook(body)
-            else:
-                self.silence(bytes(body))
-
-        def webhook(self, body: bytearray) -> None:
-            try:
-                text = body.decode("utf-8")
-                del body[:]  # a large group is held once, as the text the store keeps
-                webhook = parse_webhook(text)
-            except UnicodeDecodeError:
-                service.metrics.webhooks.labels("rejected").inc()
-                self.reply(400, {"error": "body is not UTF-8 JSON"})
-                return
-            except PayloadError as exc:
-                service.metrics.webhooks.labels("rejected").inc()
-                log.warning("rejected webhook from %s: %s", self.address_string(), exc)
-                self.reply(400, {"error": str(exc)})
-                return
-            try:
-                service.store.inbox.add("webhook", text, time.time())
-            except Exception:
-                log.exception("cannot store webhook")
-                service.metrics.webhooks.labels("store_failed").inc()
-                self.reply(503, {"error": "cannot store the alert now; retry"})
-                return
-            service.metrics.webhooks.labels("accepted").inc()
-            service.wake()
-            self.reply(200, {"status": "stored", "alerts": len(webhook.alerts)})
-
-        def card_callback(self, body: bytes) -> None:
-            """A Feishu card action (request-URL mode): authenticated by Feishu's signature and
-            verification token instead of our credentials; answered within Feishu's 3 s. The
-            module (and lark-oapi) was loaded when the service started (`Service.__init__`)."""
-            from megatrace.alertbot.callbacks import CallbackRejected, verify_request
-
-            try:
-                callback = verify_request(service.cfg.feishu.callback, self.headers, body, time.time())
-            except CallbackRejected as exc:
-                service.metrics.webhooks.labels("callback_rejected").inc()
-                log.warning("rejected Feishu callback from %s: %s", self.address_string(), exc)
-                self.reply(exc.status, {"msg": "rejected"})
-                return
-            if callback.get("type") == "url_verification":
-                self.reply(200, {"challenge": callback.get("challenge", "")})
-                return
-            self.reply(200, service.card_action(callback, "request_url"))
-
-        def silence(self, body: bytes) -> None:
-            if not service.cfg.alertmanager.url:
-                self.reply(503, {"error": "alertmanager.url is not configured"})
-                return
-            try:
-                matchers, duration, comment, created_by = silence_request(body)
-            except ValueError as exc:
-                self.reply(400, {"error": str(exc)})
-                return
-            now = time.time()
-            try:
-                silence_id = create_silence(
-                    service.cfg.alertmanager, matchers, now, now + duration, created_by, comment
-                )
-            except AlertmanagerError as exc:
-                self.reply(502, {"error": str(exc)})
-                return
-            log.info("silence %s created for %s for %.0fs by %s", silence_id, matchers, duration, created_by)
-            self.reply(200, {"silenceID": silence_id})
-
+def make_server(service: Service) -> BotHTTPServer:
+    """An HTTP server bound to the configured listen address, serving `service`."""
     host, port = listen_address(service.cfg.listen)
     try:
-        return BotHTTPServer((host, port), Handler)
+        return BotHTTPServer((host, port), service)
     except OSError as exc:
         raise OSError(exc.errno, f"cannot listen on {service.cfg.listen}: {exc.strerror or exc}") from None
 
@@ -282,3 +293,7 @@ class BotHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: tuple[str, int], service: Service) -> None:
+        self.service = service
+        super().__init__(address, BotHandler)
