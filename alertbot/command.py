@@ -75,7 +75,7 @@ def run_service(args: argparse.Namespace) -> int:
 def run_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatrace.alertbot.report import write_report
+    from megatrace.alertbot.report import weekly_report, write_workbook
     from megatrace.alertbot.service import Service
 
     cfg = _load(args, args.report_config or args.config, serving=False)
@@ -96,9 +96,9 @@ def run_report(args: argparse.Namespace) -> int:
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(args.output) if args.output else Path(cfg.report.directory) / name
         try:
-            summary = write_report(
-                store, since.timestamp(), until.timestamp(), path, cfg.report.top_n, cfg.report.timezone
-            )
+            r = cfg.report
+            report = weekly_report(store, since.timestamp(), until.timestamp(), r.top_n, r.timezone)
+            summary = write_workbook(report, path)
         finally:
             store.close()
         print(json.dumps({"path": str(path), "episodes": summary["total"]}))

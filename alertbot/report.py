@@ -310,16 +310,3 @@ def write_workbook(report: WeeklyReport, path: Path) -> dict[str, Any]:
         "file_name": path.name,
         "path": str(path),
     }
-
-
-def write_report(
-    store: Store,
-    since: float,
-    until: float,
-    path: Path,
-    top_n: int = 10,
-    timezone: str = "UTC",
-    oncall: OncallConfig | None = None,
-) -> dict[str, Any]:
-    """Compute the report of episodes starting in [since, until) and write its workbook to `path`."""
-    return write_workbook(weekly_report(store, since, until, top_n, timezone, oncall), path)

@@ -34,7 +34,7 @@ from megatrace.alertbot.metrics import BotMetrics
 from megatrace.alertbot.oncall import Escalator
 from megatrace.alertbot.pipeline import Pipeline, idempotency_key
 from megatrace.alertbot.ratelimit import RateLimiter, SharedRateLimiter
-from megatrace.alertbot.report import write_report
+from megatrace.alertbot.report import weekly_report, write_workbook
 from megatrace.alertbot.server import make_server
 from megatrace.alertbot.store import open_store
 from megatrace.alertbot.store.records import NewNotification
@@ -280,15 +280,11 @@ class Service:
         is sent once however often the job fires; an on-demand one is sent every time."""
         name = f"megatrace-alerts-{since:%Y%m%d}-{until:%Y%m%d}.xlsx"
         path = Path(self.cfg.report.directory) / name
-        summary = write_report(
-            self.store,
-            since.timestamp(),
-            until.timestamp(),
-            path,
-            self.cfg.report.top_n,
-            self.cfg.report.timezone,
-            self.cfg.oncall,
+        r = self.cfg.report
+        report = weekly_report(
+            self.store, since.timestamp(), until.timestamp(), r.top_n, r.timezone, self.cfg.oncall
         )
+        summary = write_workbook(report, path)
         card = self.renderer.report_card(summary)
         now = time.time()
         ref = f"{since.timestamp():.0f}-{until.timestamp():.0f}" + (f"@{now}" if on_demand else "")

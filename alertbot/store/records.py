@@ -53,10 +53,9 @@ class Quarantined:
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
-    """One alert episode: an alert (fingerprint) from one startsAt to its resolve."""
+class NewEpisode:
+    """An episode seen for the first time, as the pipeline graded it."""
 
-    id: int
     fingerprint: str
     starts_at: float
     alertname: str
@@ -71,10 +70,18 @@ class Episode:
     recurrence: int
     recent: int
     flapping: bool
-    storm_id: int | None
     first_seen: float
     last_seen: float
     ends_at: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode(NewEpisode):
+    """One alert episode as stored: what the pipeline graded it (`NewEpisode`), its id, and what
+    happened to it since (its storm or incident, notifications, duplicates, claim and silence)."""
+
+    id: int
+    storm_id: int | None
     last_notified: float | None
     duplicates: int
     claimed_by: str | None
@@ -229,29 +236,6 @@ class Escalation:
     message_id: str
     users: list[str]
     at: float
-
-
-@dataclasses.dataclass(frozen=True)
-class NewEpisode:
-    """An episode seen for the first time, as the pipeline graded it."""
-
-    fingerprint: str
-    starts_at: float
-    alertname: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    generator_url: str
-    external_url: str
-    status: EpisodeStatus
-    severity: str
-    level: str
-    escalated: bool
-    recurrence: int
-    recent: int
-    flapping: bool
-    first_seen: float
-    last_seen: float
-    ends_at: float | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from megatrace.alertbot.drilldown import DrilldownRunner
-from megatrace.alertbot.report import write_report
+from megatrace.alertbot.report import weekly_report, write_workbook
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.feishu_server import FeishuServer
 
@@ -291,7 +291,7 @@ def test_incidents_on_postgresql(tmp_path: Path, pg_url: str) -> None:
         ("verdict", "[P0] FIRING: rank 3 hung on gpu-7 — job llm-7"),
         ("resolved", "[P0] RESOLVED: rank 3 hung on gpu-7 — job llm-7"),
     ]
-    summary = write_report(bot.store, T0 - 60, T0 + 3600, tmp_path / "week.xlsx")
+    summary = write_workbook(weekly_report(bot.store, T0 - 60, T0 + 3600), tmp_path / "week.xlsx")
     assert summary["total"] == 1
 
 

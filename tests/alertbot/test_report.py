@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from megatrace.alertbot.report import DETAIL_COLUMNS, write_report
+from megatrace.alertbot.report import DETAIL_COLUMNS, weekly_report, write_workbook
 from megatrace.alertbot.service import Service
 from megatrace.cli import main
 from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
@@ -80,7 +80,7 @@ def test_workbook_cell_by_cell(tmp_path: Path) -> None:
     bot = Bot(config(tmp_path))
     fill(bot)
     path = tmp_path / "week.xlsx"
-    summary = write_report(bot.store, at(16, 0), at(23, 0), path, top_n=10)
+    summary = write_workbook(weekly_report(bot.store, at(16, 0), at(23, 0), top_n=10), path)
     book = openpyxl.load_workbook(path)
     assert book.sheetnames == ["Summary", "Detail", "On call"]
     assert values(book["Summary"]) == [
@@ -165,7 +165,7 @@ def test_a_hang_counts_once_with_its_culprit_in_a_filterable_sized_detail(tmp_pa
         webhook(*({**a, "status": "resolved", "endsAt": ended} for a in (hang, *victims))), start + 1200
     )
     path = tmp_path / "week.xlsx"
-    summary = write_report(bot.store, at(16, 0), at(23, 0), path)
+    summary = write_workbook(weekly_report(bot.store, at(16, 0), at(23, 0)), path)
     assert summary["total"] == 1 and summary["by_level"][0] == ("P0", 1)
     detail = openpyxl.load_workbook(path)["Detail"]
     rows = values(detail)
@@ -187,7 +187,7 @@ def test_workbook_has_the_stacked_chart(tmp_path: Path) -> None:
     bot = Bot(config(tmp_path))
     fill(bot)
     path = tmp_path / "week.xlsx"
-    write_report(bot.store, at(16, 0), at(23, 0), path)
+    write_workbook(weekly_report(bot.store, at(16, 0), at(23, 0)), path)
     with zipfile.ZipFile(path) as archive:
         chart_xml = archive.read("xl/charts/chart1.xml").decode()
     assert '<grouping val="stacked" />' in chart_xml
@@ -370,7 +370,7 @@ def test_a_summary_that_looks_like_a_formula_stays_text(tmp_path: Path, lead: st
     item["annotations"]["summary"] = text
     bot.receive(webhook(item), at(17, 8) + 5)
     path = tmp_path / "week.xlsx"
-    write_report(bot.store, at(16, 0), at(23, 0), path)
+    write_workbook(weekly_report(bot.store, at(16, 0), at(23, 0)), path)
     detail = openpyxl.load_workbook(path)["Detail"]
     column = DETAIL_COLUMNS.index("Summary") + 1
     cell = detail.cell(2, column)
