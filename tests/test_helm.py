@@ -856,7 +856,7 @@ def test_alertbot_probes_restart_only_what_a_restart_mends(
         def gone() -> int:
             raise sqlite3.OperationalError("unable to open database file")
 
-        monkeypatch.setattr(bot.store, "queue_depth", gone)
+        monkeypatch.setattr(bot.store.outbox, "queue_depth", gone)
         assert requests.get(base + live["path"], timeout=20).status_code == 200
         assert requests.get(base + ready["path"], timeout=20).json() == {
             "status": "store unavailable",
