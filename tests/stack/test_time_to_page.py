@@ -17,7 +17,9 @@ from tests.support.page_runs import run_job
 from tests.support.services import free_port
 
 COMPRESSION = 10  # pause thresholds of 300-900 s become 30-90 s, the learned floor of 10 s 1 s
-PAUSE_S = 9.0  # a 90 s pause at this compression
+# A pause long enough that any rule without pauses pages for it (the fixed 3 s stall threshold and
+# MegatraceJobHang's 2 min `for:` of before make 15 s here), shorter than every pause's own threshold.
+PAUSE_S = 20.0
 WATCH_S = 90.0  # a job starts, reaches its step, and pages well within this (the budget is 60 s / 10)
 
 
