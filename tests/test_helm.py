@@ -68,7 +68,13 @@ CUSTOM_VALUES: dict[str, Any] = {
         "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
         "podAnnotations": {"a": "b"},
         "service": {"port": 19555, "annotations": {"x": "y"}},
-        "serviceMonitor": {"interval": "30s", "scrapeTimeout": "20s", "labels": {"extra": "sm"}},
+        "serviceMonitor": {
+            "interval": "30s",
+            "scrapeTimeout": "20s",
+            "tracerInterval": "2s",
+            "tracerScrapeTimeout": "1s",
+            "labels": {"extra": "sm"},
+        },
     },
     "rules": {"labels": {"role": "alert-rules"}},
     "dashboards": {"labels": {"grafana_dashboard": "megatrace"}, "namespace": "grafana", "folder": ""},
@@ -383,37 +389,76 @@ def test_services_select_their_pods_and_named_ports(
     monitor = by_component(objects, "ServiceMonitor", component)
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port_name]
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {port_name}
 
 
 def test_exporter_service_monitor_keeps_the_training_job_label(objects: list[dict[str, Any]]) -> None:
     monitor = by_component(objects, "ServiceMonitor", "exporter")
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["honorLabels"] is True
-    assert endpoint["path"] == "/metrics"
-    assert {
-        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
-        "targetLabel": "instance",
-        "action": "replace",
-    } in endpoint["relabelings"]
+    endpoints = monitor["spec"]["endpoints"]
+    assert [endpoint["path"] for endpoint in endpoints] == ["/metrics", "/metrics/tracer"]
+    for endpoint in endpoints:
+        assert endpoint["honorLabels"] is True
+        assert {
+            "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+            "targetLabel": "instance",
+            "action": "replace",
+        } in endpoint["relabelings"]
+
+
+TRACER_SERIES = {"sourceLabels": ["__name__"], "regex": "megatrace_tracer_.*"}
+
+
+@pytest.mark.parametrize(
+    ("values", "hardware", "tracer"),
+    [({}, ("15s", "10s"), ("5s", "4s")), (CUSTOM_VALUES, ("30s", "20s"), ("2s", "1s"))],
+    ids=["defaults", "custom"],
+)
+def test_exporter_tracer_series_are_scraped_once_on_their_own_interval(
+    values: dict[str, Any], hardware: tuple[str, str], tracer: tuple[str, str]
+) -> None:
+    """/metrics/tracer at the short interval of the hang budget keeps only the tracer's series; /metrics,
+    at the hardware interval, drops them (the agent serves them there too); the tracer endpoint's
+    `endpoint` label tells its `up` from that of /metrics."""
+    metrics, tracer_path = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
+    assert (metrics["path"], metrics["interval"], metrics["scrapeTimeout"]) == ("/metrics", *hardware)
+    assert (tracer_path["path"], tracer_path["interval"], tracer_path["scrapeTimeout"]) == (
+        "/metrics/tracer",
+        *tracer,
+    )
+    assert metrics["metricRelabelings"] == [{**TRACER_SERIES, "action": "drop"}]
+    assert tracer_path["metricRelabelings"] == [{**TRACER_SERIES, "action": "keep"}]
+    assert {"targetLabel": "endpoint", "replacement": "tracer", "action": "replace"} in tracer_path[
+        "relabelings"
+    ]
+    assert not [item for item in metrics["relabelings"] if item.get("targetLabel") == "endpoint"]
+
+
+def test_exporter_metric_relabelings_from_values_follow_the_charts_own() -> None:
+    extra = [{"action": "labeldrop", "regex": "pci_bus_id"}]
+    values = {"exporter": {"serviceMonitor": {"metricRelabelings": extra}}}
+    for endpoint in by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]:
+        assert endpoint["metricRelabelings"][1:] == extra
+        assert endpoint["metricRelabelings"][0]["regex"] == "megatrace_tracer_.*"
 
 
 @pytest.mark.parametrize("relabelings", [None, [], [{"targetLabel": "cluster", "replacement": "a"}]])
 def test_exporter_targets_carry_the_address_the_bot_dials(relabelings: list[dict[str, str]] | None) -> None:
     values = {} if relabelings is None else {"exporter": {"serviceMonitor": {"relabelings": relabelings}}}
-    (endpoint,) = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
-    # the pod's discovered IP:port, set before the user's relabelings (which may not drop it)
-    assert endpoint["relabelings"][0] == {
-        "sourceLabels": ["__address__"],
-        "targetLabel": "agent_address",
-        "action": "replace",
-    }
+    metrics, tracer = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
     node_name = {
         "sourceLabels": ["__meta_kubernetes_pod_node_name"],
         "targetLabel": "instance",
         "action": "replace",
     }
-    assert endpoint["relabelings"][1:] == ([node_name] if relabelings is None else relabelings)
+    expected = [node_name] if relabelings is None else relabelings
+    for endpoint, chart_own in ((metrics, 1), (tracer, 2)):
+        # the pod's discovered IP:port, set before the user's relabelings (which may not drop it)
+        assert endpoint["relabelings"][0] == {
+            "sourceLabels": ["__address__"],
+            "targetLabel": "agent_address",
+            "action": "replace",
+        }
+        assert endpoint["relabelings"][chart_own:] == expected
 
 
 def scrape_jobs(objects: list[dict[str, Any]]) -> dict[str, str]:
@@ -605,6 +650,10 @@ def test_alertmanager_config_routes_graded_alerts_to_the_bot(objects: list[dict[
     (receiver,) = config["spec"]["receivers"]
     assert config["spec"]["route"]["receiver"] == receiver["name"]
     assert config["spec"]["route"]["matchers"] == [{"name": "severity", "matchType": "=~", "value": "P[0-3]"}]
+    assert config["spec"]["route"]["groupWait"] == "10s"
+    # pages leave after a short first wait, inheriting the rest (docs/alerts.md, the time-to-page budget)
+    (pages,) = config["spec"]["route"]["routes"]
+    assert pages == {"matchers": [{"name": "severity", "matchType": "=", "value": "P0"}], "groupWait": "1s"}
     (webhook,) = receiver["webhookConfigs"]
     port = service["spec"]["ports"][0]["port"]
     assert webhook["url"] == f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}/alertmanager"
@@ -676,6 +725,8 @@ def test_operator_objects_can_be_left_out_when_the_crds_are_absent() -> None:
         ({"alertbot": {"service": {"type": "Ingress"}}}, "/alertbot/service/type"),
         ({"alertbot": {"feishuSecret": "hunter2"}}, "/alertbot"),
         ({"alertmanagerConfig": {"groupWait": 10}}, "/alertmanagerConfig/groupWait"),
+        ({"alertmanagerConfig": {"p0GroupWait": "soon"}}, "/alertmanagerConfig/p0GroupWait"),
+        ({"exporter": {"serviceMonitor": {"tracerInterval": 5}}}, "/exporter/serviceMonitor/tracerInterval"),
         ({"alertbot": {"existingSecret": ""}}, "/alertbot/existingSecret"),
         ({"exporter": {"tracerGraceSeconds": -1}}, "/exporter/tracerGraceSeconds"),
         ({"exporters": {"enabled": True}}, "exporters"),
