@@ -7,10 +7,14 @@ behave exactly as `helm lint`, `helm template` and `helm install` do.
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import sqlite3
+import subprocess
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from megatrace.exporters import cli as exporter_cli
 from megatrace.exporters.collectors import COLLECTORS, default_collectors
 from megatrace.exporters.settings import load as load_agent_config
 from tests.alertbot.conftest import config
+from tests.cluster.operator_scrape import exporter_scrape_jobs, exporter_targets
 from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
@@ -41,6 +46,7 @@ from tests.support.helm_chart import (
     render,
     schema_paths,
 )
+from tests.support.services import free_port, prometheus_argv, require_binary, running
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -431,6 +437,70 @@ def test_exporter_tracer_series_are_scraped_once_on_their_own_interval(
         "relabelings"
     ]
     assert not [item for item in metrics["relabelings"] if item.get("targetLabel") == "endpoint"]
+
+
+class _TwoPathAgent(http.server.BaseHTTPRequestHandler):
+    """An agent as the contract of /metrics/tracer has it: /metrics serves every collector's series, the
+    tracer's among them, and /metrics/tracer the tracer's alone."""
+
+    TRACER = b'megatrace_tracer_rank_alive{job="llama",rank="0",local_rank="0"} 1\n'
+    HARDWARE = b'megatrace_gpu_temperature_celsius{gpu="0"} 50\n'
+
+    def do_GET(self) -> None:
+        bodies = {"/metrics": self.HARDWARE + self.TRACER, "/metrics/tracer": self.TRACER}
+        body = bodies.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_operator_scrape_jobs_of_the_chart_scrape_each_series_once(tmp_path: Path) -> None:
+    """A real Prometheus running the scrape jobs the operator makes of the two endpoints (the cluster
+    harness's generator), against an agent serving both paths: the tracer's series arrive once, from
+    /metrics/tracer, with the training job's `job`; the hardware series from /metrics; two `up`s."""
+    agent = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TwoPathAgent)
+    threading.Thread(target=agent.serve_forever, daemon=True).start()
+    port = agent.server_address[1]
+    sm = {"interval": "1s", "scrapeTimeout": "1s", "tracerInterval": "1s", "tracerScrapeTimeout": "1s"}
+    objects = render({"exporter": {"port": port, "serviceMonitor": sm}})
+    sd_file = tmp_path / "targets.json"
+    sd_file.write_text(json.dumps(exporter_targets(objects, [("exporter-a", "127.0.0.1", "gpu-node-1")])))
+    config_file = tmp_path / "prometheus.yml"
+    jobs = exporter_scrape_jobs(objects, sd_file)
+    config_file.write_text(yaml.safe_dump({"global": {"evaluation_interval": "1s"}, "scrape_configs": jobs}))
+    check = subprocess.run(
+        [require_binary("promtool"), "check", "config", str(config_file)], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    prom_port = free_port()
+    api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+    argv = prometheus_argv(config_file, tmp_path / "data", prom_port)
+    try:
+        with running(argv, f"http://127.0.0.1:{prom_port}/-/ready", tmp_path / "prometheus.log"):
+
+            def query(promql: str) -> list[dict[str, Any]]:
+                return requests.get(api, params={"query": promql}, timeout=10).json()["data"]["result"]
+
+            deadline = time.monotonic() + 60
+            while len(query('up{job="megatrace"} == 1')) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            up = {s["metric"]["endpoint"]: s["metric"] for s in query('up{job="megatrace"} == 1')}
+            tracer = query("megatrace_tracer_rank_alive")
+            hardware = query("megatrace_gpu_temperature_celsius")
+    finally:
+        agent.shutdown()
+    assert set(up) == {"metrics", "tracer"}
+    assert {labels["instance"] for labels in up.values()} == {"gpu-node-1"}
+    ((series,),) = [tracer]
+    assert series["metric"]["endpoint"] == "tracer"
+    assert series["metric"]["job"] == "llama"
+    assert series["metric"]["agent_address"] == f"127.0.0.1:{port}"
+    ((gpu,),) = [hardware]
+    assert gpu["metric"]["endpoint"] == "metrics"
 
 
 def test_exporter_metric_relabelings_from_values_follow_the_charts_own() -> None:
