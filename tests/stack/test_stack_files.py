@@ -67,6 +67,12 @@ def test_compress_seconds_literals_divides_only_vector_literals() -> None:
     )
 
 
+def _real_rules_config(tmp_path: Path, **extra: object) -> StackConfig:
+    """The stack's configuration over the repository's own rules/."""
+    overrides = {"state_dir": str(tmp_path / "state"), "rules_dir": str(SOURCE_ROOT / "rules"), **extra}
+    return load_config(StackConfig, environ={}, overrides=overrides)
+
+
 def _training_rules(written: list[Path]) -> dict[str, dict[str, Any]]:
     (training,) = [path for path in written if path.name == "training.yml"]
     groups = yaml.safe_load(training.read_text())["groups"]
@@ -81,16 +87,7 @@ def test_compression_divides_the_stall_floor_and_the_pause_thresholds(tmp_path: 
     """The real rules at the demo's settings: the learned threshold's 10 s floor and the pause
     thresholds (600 s, 900 s, 300 s) shrink by the factor like `for:`; the 4 x multiplier and the
     measured op durations do not (they are not times of the rules)."""
-    config = load_config(
-        StackConfig,
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path / "state"),
-            "rules_dir": str(SOURCE_ROOT / "rules"),
-            "time_compression": 20,
-            "scrape_interval": "1s",
-        },
-    )
+    config = _real_rules_config(tmp_path, time_compression=20, scrape_interval="1s")
     written = write_rules(config, tmp_path / "out")
     rules = _training_rules(written)
     assert rules["megatrace:stall_threshold_floor:seconds"]["expr"] == "vector(0.5)"
@@ -109,15 +106,7 @@ def test_compression_divides_the_stall_floor_and_the_pause_thresholds(tmp_path: 
 def test_training_groups_are_evaluated_at_least_as_often_as_the_stack_scrapes(
     tmp_path: Path, scrape_interval: str, expected: str
 ) -> None:
-    config = load_config(
-        StackConfig,
-        environ={},
-        overrides={
-            "state_dir": str(tmp_path / "state"),
-            "rules_dir": str(SOURCE_ROOT / "rules"),
-            "scrape_interval": scrape_interval,
-        },
-    )
+    config = _real_rules_config(tmp_path, scrape_interval=scrape_interval)
     rules = _training_rules(write_rules(config, tmp_path / "out"))
     assert rules["MegatraceJobHang"]["group"]["interval"] == expected
     assert rules["MegatraceJobHang"]["for"] == "15s"
