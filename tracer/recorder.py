@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from megatrace.tracer.format import C_MAX_DURATION_NS, H_SUM_NS, HISTOGRAM_BUCKETS, HISTOGRAM_FIRST_BITS
 from megatrace.tracer.ringfile import (
     C_COMPLETED,
     C_INFLIGHT_ENQUEUE_NS,
@@ -74,6 +75,8 @@ class Recorder:
         self.last_complete_ns = 0
         self.wait_ns_total = 0
         self.comm_entries: dict[int, int] = {}
+        # communicator id -> (word of its counter entry, word of its histogram); -1s when the table is full
+        self.histogram_bases: dict[int, tuple[int, int]] = {}
 
     def begin(self, cid: int, op: int, nbytes: int, dtype: int, peer: int, flags: int) -> int:
         """Record an op as issued now; returns its serial (1-based record number) to pass to `end`."""
@@ -107,8 +110,36 @@ class Recorder:
         words = self.record_words
         if words[word] == serial:  # not yet overwritten by the ring
             words[word + R_COMPLETE_NS] = now
+            self._count_duration(words[word + R_COMM_ID], now - started)
         self.last_complete_ns = now
         self.wait_ns_total += now - started
+
+    def _count_duration(self, cid: int, duration_ns: int) -> None:
+        """Count a completed op of communicator `cid` in its histogram and maximum in the header."""
+        bases = self.histogram_bases.get(cid)
+        if bases is None:
+            base = self.comm_entries.get(cid)
+            if base is None:
+                base = self.comm_entries[cid] = self.writer.comm_counters_entry(cid)
+            bases = self.histogram_bases[cid] = (base, self.writer.histogram_entry(base))
+        counters, histogram = bases
+        if counters < 0:
+            return
+        bucket = min(max(duration_ns.bit_length() - HISTOGRAM_FIRST_BITS, 0), HISTOGRAM_BUCKETS - 1)
+        header = self.header
+        header[histogram + bucket] += 1
+        header[histogram + H_SUM_NS] += duration_ns
+        if duration_ns > header[counters + C_MAX_DURATION_NS]:
+            header[counters + C_MAX_DURATION_NS] = duration_ns
+
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
+        """Write a completed span that is no op (a pause: `format.OP_PAUSE`) as a record of its own."""
+        serial = self.serial + 1
+        self.serial = serial
+        offset = (serial - 1) % self.capacity * RECORD_SIZE
+        _pack(self.records, offset, 0, 0, seq, 0, start_ns, end_ns, self.step, self.rank, peer, op, 0, 0)
+        self.record_words[offset >> 3] = serial
+        self.calls_by_op[op] += 1
 
     @property
     def calls(self) -> int:
@@ -211,6 +242,10 @@ class NativeRecorder:
 
     def publish(self) -> None:
         """Nothing to copy: the native side keeps the header's counters live."""
+
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
+        """Write a completed span that is no op (a pause) as a record, numbered by the native side."""
+        self.native.record_span(op, peer, seq, start_ns, end_ns, self.header[W_STEP_COUNT])
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""
