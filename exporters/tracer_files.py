@@ -1,6 +1,6 @@
 """Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
 
-Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
+Reads only the header (12 KiB) of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
 ``job`` (the training job) and ``rank`` as the file's folder and name give them, and ``local_rank``
 (per-communicator series also ``comm``);
 Prometheus must scrape with ``honor_labels: true`` so `job` is kept. A rank is alive while its

@@ -174,9 +174,9 @@ def _v3_counters(pairs: dict[str, str], where: str) -> dict:
     """The version 3 fields of a counters line (none in older dumps)."""
     if "max_duration_ns" not in pairs:
         return {}
-    raw = pairs.get("histogram", "-")
+    raw = _text(pairs.get("histogram", "-"))
     try:
-        histogram = tuple(int(count) for count in raw.split(",")) if raw != "-" else ()
+        histogram = tuple(int(count) for count in raw.split(",")) if raw else ()
     except ValueError:
         raise DumpFormatError(f"{where}: histogram= must be comma-separated integers") from None
     return {

@@ -1,6 +1,6 @@
 """The tracer's per-rank ring file: the writer used inside a rank, and `read_ring`.
 
-One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 4 KiB header (identity and
+One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 12 KiB header (identity and
 live counters), a communicator table, then a ring of fixed-size records. The layout is defined in
 `megatrace.tracer.format` and described in ``docs/tracer-format.md``. This module imports no torch:
 the exporter and the analyzer read files with it while ranks write them.
