@@ -40,7 +40,7 @@ _COUNTER_KEYS = (
     "capacity", "records_written", "dumps_written",
 )  # fmt: skip
 # Header words added to version 1 later: written always, read as 0 from dumps that lack them.
-_LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool}
+_LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool, "pause_records": int}
 # Added in version 2 (read as unset from version 1 dumps).
 _V2_KEYS = ("capture", "cuda_device", "device_uuid")
 _COUNTER_FIELDS = ("issued", "completed", "inflight_op", "inflight_seq", "inflight_enqueue_ns", "last_op")
