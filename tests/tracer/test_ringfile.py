@@ -28,6 +28,7 @@ from megatrace.tracer.ringfile import (
     ring_path,
     writer_holds_lock,
 )
+from megatrace.tracer.watchdog import Watchdog
 
 IDENTITY = RankIdentity(
     job="job 7/α", rank=3, local_rank=1, world_size=8, host="node-3", pid=4242, start_time_ns=1_000
@@ -317,3 +318,22 @@ def test_bad_ring_files_are_named_errors(tmp_path: Path, content: bytes) -> None
 def test_missing_ring_file_is_named_error(tmp_path: Path) -> None:
     with pytest.raises(RingFormatError, match="cannot read"):
         read_ring(tmp_path / "nope.trace")
+
+
+def test_a_stall_dump_written_during_a_pause_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = make_writer(tmp_path)
+    rec = Recorder(writer, rank=3)
+    rec.begin(comm_id([0, 3]), OP_CODES["all_reduce"], 4, DTYPE_CODES["float32"], -1, 0)
+    dog = Watchdog(rec, tmp_path / "job", 3, STALL_NS)
+    pauses = Pauses(lambda: rec)
+    quiet = read_dump(dog.dump("stall"))
+    token = pauses.begin("checkpoint")
+    with caplog.at_level("WARNING", logger="megatrace.tracer"):
+        during = read_dump(dog.dump("stall"))
+    pauses.end(token)
+    assert quiet.header.pause_kind == "" and during.header.pause_kind == "checkpoint"
+    assert during.header.pauses["checkpoint"].since_ns > 0
+    assert "during a checkpoint pause" in caplog.text
+    writer.close()
