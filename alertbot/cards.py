@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 COLOURS = {"P0": "red", "P1": "orange", "P2": "yellow", "P3": "blue"}
 # Not listed among a card's labels: the title and the culprit line say them in words.
-HIDDEN_LABELS = frozenset({"alertname", "severity", "culprit_rank", "culprit_node", "culprit_seen"})
+HIDDEN_LABELS = frozenset(
+    {"alertname", "severity", "culprit_rank", "culprit_node", "culprit_seen", "pause", "pause_rank"}
+)
 CARD_LIMIT = 19 * 1024  # leaves room for the message envelope and signature within 20 KB
 MAX_URL = 1500
 WHERE_LABELS = ("job", "rank", "instance", "node", "gpu", "device")
@@ -200,6 +202,7 @@ class CardRenderer:
             where = f"job {incident.job}" + (f", node {node}" if node else "")
             ended = incident.ended if kind == NotificationKind.RESOLVED else None
         links = self._links(labels, annotations, row)
+        pause = pause_text(labels)
 
         def context(budget: int) -> dict[str, object]:
             return {
@@ -225,11 +228,13 @@ class CardRenderer:
                 "links": buttons(links),
                 "runbook": self.runbook_text(annotations),
                 "ref": ref,
+                "pause": pause,
                 "oncall": oncall,
                 "incident": incident_context(incident, budget) if incident is not None else None,
             }
 
         facts = [("Where", where), ("Since", self.when(row.starts_at)), ("Ended", self.when(ended))]
+        facts.append(("During a pause", pause))
         facts.append(("Summary", "" if incident is not None else annotations.get("summary", "")))
         culprit = incident_culprit(incident) if incident is not None else ""
         return Notification(
@@ -313,6 +318,20 @@ class CardRenderer:
 
     def report_card(self, summary: dict[str, Any]) -> dict[str, Any]:
         return self.render("card_report.json.j2", summary)
+
+
+PAUSES = {"checkpoint": "a checkpoint", "eval": "an evaluation pass", "dataloader": "a data-loader wait"}
+
+
+def pause_text(labels: dict[str, str]) -> str:
+    """What a hang alert that fired during a known pause says of it ("" for any other alert): the
+    rules let a pause run to its own, longer threshold, so a page then means the pause itself is stuck."""
+    kind = labels.get("pause", "")
+    if not kind:
+        return ""
+    what = PAUSES.get(kind, f"a {kind} pause")
+    where = f" on rank {labels['pause_rank']}" if labels.get("pause_rank") else ""
+    return f"{what}{where} has lasted past its own threshold; it is likely stuck itself"
 
 
 def buttons(links: list[Link]) -> list[dict[str, str]]:

@@ -60,6 +60,10 @@ class Incident:
     culprit: Culprit | None
     verdict: dict[str, Any]  # the drill-down's report ({} until it answered)
     others: list[int]  # ranks the member alerts name besides the culprit
+    # The known pause a member alert fired in (``pause`` label: checkpoint, eval, dataloader) and the
+    # rank in it; "" when none did.
+    pause: str = ""
+    pause_rank: str = ""
 
 
 def known(value: Any) -> str:
@@ -163,7 +167,9 @@ def load(
     closed = row.closed_at is not None
     kind = IncidentKind.SLOW if slow else IncidentKind.HANG
     ended = max(ends) if closed and ends else None
-    return Incident(row.job, row.level, kind, closed, ended, culprit, report, others)
+    paused = next((lab for lab in labels if lab.get("pause")), {})
+    pause, pause_rank = paused.get("pause", ""), paused.get("pause_rank", "")
+    return Incident(row.job, row.level, kind, closed, ended, culprit, report, others, pause, pause_rank)
 
 
 def headline(incident: Incident) -> str:
@@ -177,6 +183,17 @@ def headline(incident: Incident) -> str:
     return f"{culprit.named} {verb}{where} — job {incident.job}"
 
 
+# What to do first when a hang fired during a known pause: the pause itself is what is stuck.
+PAUSE_STEPS = {
+    "checkpoint": "Check the storage {rank} writes its checkpoint to (a hung mount, a full disk, a lock); "
+    "the other ranks of job {job} wait for it.",
+    "eval": "Check {rank}'s evaluation pass (its data, a deadlock outside collectives); the other ranks of "
+    "job {job} wait for it.",
+    "dataloader": "Check {rank}'s data loader (its storage, its worker processes); the other ranks of job "
+    "{job} wait for it.",
+}
+
+
 def next_step(incident: Incident) -> str:
     """What the person on call does first."""
     culprit, job = incident.culprit, incident.job
@@ -187,6 +204,9 @@ def next_step(incident: Incident) -> str:
             f"Check {target} (GPU clocks, XID errors, IB links); if its hardware is at fault, drain it "
             f"and restart job {job} from its last checkpoint."
         )
+    if incident.pause in PAUSE_STEPS:
+        rank = f"rank {incident.pause_rank}" if incident.pause_rank else "the paused rank"
+        return PAUSE_STEPS[incident.pause].format(rank=rank, job=job)
     if node:
         return f"Drain node {node}, then restart job {job} from its last checkpoint."
     return (

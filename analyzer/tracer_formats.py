@@ -12,7 +12,7 @@ from megatrace.analyzer.reader_api import Parsed, Reader, each_alone
 from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
 from megatrace.regular_files import open_regular
 from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
-from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, P2P_OPS, W_MAGIC
+from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, P2P_OPS, SPAN_NAMES, W_MAGIC
 from megatrace.tracer.ringfile import (
     HEADER_SIZE,
     MAGIC,
@@ -84,8 +84,12 @@ def factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
-    """Columns of one rank's snapshot; P2P ops go to directed channels ``(comm, src, dst)``."""
+    """Columns of one rank's snapshot; P2P ops go to directed channels ``(comm, src, dst)``. Records
+    that are no op (pause spans) are left out: they are never matched as calls."""
     rec = snapshot.records
+    spans = np.isin(rec["op"], list(SPAN_NAMES))
+    if spans.any():
+        rec = rec[~spans]
     header = snapshot.header
     rank = header.rank
     ops = _OP_MAP[rec["op"]]

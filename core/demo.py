@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -203,13 +203,19 @@ def bot_diagnostics(state: Path, now: float | None = None, log_lines: int = 12) 
 
 @contextlib.contextmanager
 def training_job(
-    config: StackConfig, job: str, scenario: Scenario, env: dict[str, str], log: Path
+    config: StackConfig,
+    job: str,
+    scenario: Scenario,
+    env: dict[str, str],
+    log: Path,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[None]:
-    """Run the example training job under `megatrace trace` for the duration of the block."""
+    """Run the example training job under `megatrace trace` for the duration of the block;
+    `extra_args` go to `megatrace.tracer.example_train` (pauses, a hang in the optimizer step)."""
     argv = [
         sys.executable, "-m", "megatrace.cli", "trace", "--trace-dir", config.trace_dir, "--job", job, "--",
         sys.executable, "-m", "megatrace.tracer.example_train",
-        f"--nprocs={scenario.nprocs}", f"--tp={scenario.tp}", "--steps=1000000", "--timeout=600",
+        f"--nprocs={scenario.nprocs}", f"--tp={scenario.tp}", "--steps=1000000", "--timeout=600", *extra_args,
     ]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRACE_", "NCCL_MEGATRACE_"))}
     with open(log, "ab") as out:

@@ -33,9 +33,11 @@ class Ports:
 
 @dataclasses.dataclass
 class AlertGrouping:
-    """Alertmanager route timings (short by default: the local stack is for seeing alerts quickly)."""
+    """Alertmanager route timings (short by default: the local stack is for seeing alerts quickly);
+    P0 alerts have a sub-route of their own whose first wait is `p0_group_wait`."""
 
     group_wait: str = "2s"
+    p0_group_wait: str = "1s"
     group_interval: str = "10s"
     repeat_interval: str = "4h"
 

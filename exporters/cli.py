@@ -45,6 +45,19 @@ def build_registry(guarded: GuardedCollectors) -> CollectorRegistry:
     return registry
 
 
+# Collectors also served alone, on a path of their own (scraped at an interval of their own).
+OWN_PATHS = {"tracer": "/metrics/tracer"}
+
+
+def own_path_registries(guarded: GuardedCollectors) -> dict[str, CollectorRegistry]:
+    """Path -> registry of one enabled collector of `OWN_PATHS` alone (the same collector object)."""
+    return {
+        path: build_registry(GuardedCollectors({name: guarded.collectors[name]}))
+        for name, path in OWN_PATHS.items()
+        if name in guarded.collectors
+    }
+
+
 def run(config: ExporterConfig) -> int:
     """Serve until SIGTERM or SIGINT; returns the exit code."""
     try:
@@ -55,7 +68,11 @@ def run(config: ExporterConfig) -> int:
     host, port = parse_host_port(config.listen)
     try:
         server = MetricsServer(
-            (host, port), build_registry(guarded), config.read_timeout_s, config.max_connections
+            (host, port),
+            build_registry(guarded),
+            config.read_timeout_s,
+            config.max_connections,
+            own_path_registries(guarded),
         )
     except OSError as exc:
         log.error("cannot listen on %s: %s", config.listen, exc.strerror or exc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.samples import Sample
 
 PREFIX = "megatrace_"
@@ -36,6 +36,25 @@ class FamilySet:
     def counter(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
         """Add one counter sample; `name` ends in ``_total``, which the exposition keeps."""
         self._family("counter", name, doc, list(labels)).add_metric(list(labels.values()), value)
+
+    def summary(
+        self,
+        name: str,
+        doc: str,
+        labels: dict[str, str],
+        count: float,
+        total: float,
+        quantiles: dict[str, float],
+    ) -> None:
+        """Add one summary to ``megatrace_<subsystem>_<name>``: its ``_count``, ``_sum`` and a sample per
+        quantile (label ``quantile``)."""
+        full = f"{PREFIX}{self.subsystem}_{name}"
+        family = self._families.get(full)
+        if family is None:
+            family = self._families[full] = SummaryMetricFamily(full, doc, labels=list(labels))
+        for quantile, value in quantiles.items():
+            family.samples.append(Sample(full, {**labels, "quantile": quantile}, value))
+        family.add_metric(list(labels.values()), count, total)
 
     def families(self) -> list[Metric]:
         """All families, sorted by name so that the exposition is stable."""

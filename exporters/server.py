@@ -1,4 +1,6 @@
-"""The agent's HTTP endpoint: ``/metrics`` (Prometheus text or OpenMetrics), ``/healthz`` and an index.
+"""The agent's HTTP endpoint: ``/metrics`` (Prometheus text or OpenMetrics), ``/healthz`` and an index,
+plus a path per collector served on its own (``/metrics/tracer``: the tracer collector alone, for a
+scrape interval of its own).
 
 Each connection is served on its own thread, within a read deadline and a connection cap
 (`megatrace.exporters.http_limits`); every scrape calls the collectors afresh. The Prometheus
@@ -65,8 +67,11 @@ class MetricsServer(BoundedHTTPServer):
         registry: CollectorRegistry,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        paths: dict[str, CollectorRegistry] | None = None,
     ) -> None:
         self.registry = registry
+        # "/metrics" and each extra path -> the registry it serves
+        self.registries = {**(paths or {}), "/metrics": registry}
         super().__init__(address, MetricsHandler, read_timeout_s, max_connections)
 
 
@@ -78,10 +83,11 @@ class MetricsHandler(BoundedHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
-        if path == "/metrics":
+        registry = self.server.registries.get(path)
+        if registry is not None:
             encoder, content_type = negotiate(self.headers.get("Accept", ""))
             try:
-                body = encoder(self.server.registry)
+                body = encoder(registry)
             except Exception:
                 log.exception("building the exposition failed")
                 self._reply(500, b"exposition failed\n", "text/plain; charset=utf-8")

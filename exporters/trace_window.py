@@ -1,5 +1,5 @@
-"""A window of one rank's ring file, cut out as a ring file of its own (format version 2), and the
-newest records of a stall dump, as a dump.
+"""A window of one rank's ring file, cut out as a ring file of its own (the source's format version),
+and the newest records of a stall dump, as a dump.
 
 The node agent serves these to the alert bot: the window's file has the source's header (identity and
 counters) with its geometry rewritten (capacity = the records in the window, a communicator table of
@@ -17,15 +17,18 @@ import numpy as np
 
 from megatrace.regular_files import open_regular
 from megatrace.tracer.ringfile import (
+    HEADER_PAGE,
     HEADER_SIZE,
     W_CAPACITY,
     W_COMM_TABLE_OFFSET,
     W_COMM_TABLE_SIZE,
     W_COMM_TABLE_USED,
     W_RECORDS_OFFSET,
+    W_VERSION,
     W_WRITER_FLAGS,
     WRITER_HOLDS_LOCK,
     RingFormatError,
+    header_size_of,
     read_ring,
 )
 
@@ -64,8 +67,12 @@ def _raw_header_and_table(path: Path) -> tuple[bytearray, bytes]:
     fd = open_regular(path)
     try:
         header = bytearray(os.pread(fd, HEADER_SIZE, 0))
-        if len(header) < HEADER_SIZE:
+        if len(header) < HEADER_PAGE:
             raise RingFormatError(f"{path}: too short for a ring file header")
+        size = header_size_of(int(np.frombuffer(header, dtype="<i8", count=HEADER_PAGE // 8)[W_VERSION]))
+        if len(header) < size:
+            raise RingFormatError(f"{path}: too short for a ring file header")
+        del header[size:]
         words = np.frombuffer(header, dtype="<i8")
         used = max(0, min(int(words[W_COMM_TABLE_USED]), int(words[W_COMM_TABLE_SIZE])))
         table = os.pread(fd, used, int(words[W_COMM_TABLE_OFFSET]))
@@ -92,10 +99,10 @@ def ring_window(path: Path, window: Window, max_records: int, writer_alive: bool
     words = np.frombuffer(header, dtype="<i8").copy()
     table_size = (len(table) + 7) // 8 * 8
     words[W_CAPACITY] = len(records)
-    words[W_COMM_TABLE_OFFSET] = HEADER_SIZE
+    words[W_COMM_TABLE_OFFSET] = len(header)
     words[W_COMM_TABLE_SIZE] = table_size
     words[W_COMM_TABLE_USED] = len(table)
-    words[W_RECORDS_OFFSET] = HEADER_SIZE + table_size
+    words[W_RECORDS_OFFSET] = len(header) + table_size
     if writer_alive:
         words[W_WRITER_FLAGS] &= ~WRITER_HOLDS_LOCK
     header[: len(words) * 8] = words.tobytes()

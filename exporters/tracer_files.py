@@ -1,6 +1,6 @@
 """Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
 
-Reads only the 4 KiB header of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
+Reads only the header (12 KiB) of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
 ``job`` (the training job) and ``rank`` as the file's folder and name give them, and ``local_rank``
 (per-communicator series also ``comm``);
 Prometheus must scrape with ``honor_labels: true`` so `job` is kept. A rank is alive while its
@@ -26,6 +26,7 @@ from prometheus_client.core import Metric
 from megatrace.exporters.collector_settings import setting
 from megatrace.exporters.families import FamilySet
 from megatrace.regular_files import is_regular
+from megatrace.tracer.format import PAUSE_KIND_NAMES, quantile_upper_ns
 from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header, writer_holds_lock
 
 if TYPE_CHECKING:
@@ -194,6 +195,50 @@ class TracerCollector:
                 comm,
                 age,
             )
+            completed = sum(counters.histogram)
+            if completed:
+                quantiles = {
+                    "0.99": quantile_upper_ns(counters.histogram, counters.max_duration_ns, 0.99) * NS,
+                    "1": counters.max_duration_ns * NS,
+                }
+                families.summary(
+                    "comm_op_duration_seconds",
+                    "Duration (enqueue to completion) of the communicator's completed ops on the rank: "
+                    "0.99 quantile as the upper edge of its log2 bucket (at most the maximum), and maximum.",
+                    comm,
+                    completed,
+                    counters.duration_sum_ns * NS,
+                    quantiles,
+                )
+        _export_pauses(families, h, labels, alive, now)
+
+
+def _export_pauses(
+    families: FamilySet, h: RingHeader, labels: dict[str, str], alive: bool, now: float
+) -> None:
+    """The pause series of a rank whose file has them (format version 3); the current pause only while
+    the rank is alive."""
+    if h.version < 3:
+        return
+    for kind in PAUSE_KIND_NAMES.values():
+        pause = h.pauses.get(kind)
+        if pause is None:
+            continue
+        kind_labels = {**labels, "kind": kind}
+        current = max(0.0, now - pause.since_ns * NS) if pause.since_ns and alive else 0.0
+        families.gauge(
+            "pause_seconds",
+            "How long the rank has been in a pause of this kind now; 0 when not.",
+            kind_labels,
+            current,
+        )
+        families.counter("pauses_total", "Pauses of this kind that ended.", kind_labels, pause.ended)
+        families.counter(
+            "pause_seconds_total",
+            "Time the rank spent in ended pauses of this kind.",
+            kind_labels,
+            pause.total_ns * NS,
+        )
 
 
 def _rank_of(path: Path) -> int:

@@ -7,10 +7,14 @@ behave exactly as `helm lint`, `helm template` and `helm install` do.
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import sqlite3
+import subprocess
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from megatrace.exporters import cli as exporter_cli
 from megatrace.exporters.collectors import COLLECTORS, default_collectors
 from megatrace.exporters.settings import load as load_agent_config
 from tests.alertbot.conftest import config
+from tests.cluster.operator_scrape import exporter_scrape_jobs, exporter_targets
 from tests.support.helm_chart import (
     CHART,
     NAMESPACE,
@@ -41,6 +46,7 @@ from tests.support.helm_chart import (
     render,
     schema_paths,
 )
+from tests.support.services import free_port, prometheus_argv, require_binary, running
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -68,7 +74,13 @@ CUSTOM_VALUES: dict[str, Any] = {
         "resources": {"requests": {"cpu": "100m", "memory": "96Mi"}, "limits": {"memory": "256Mi"}},
         "podAnnotations": {"a": "b"},
         "service": {"port": 19555, "annotations": {"x": "y"}},
-        "serviceMonitor": {"interval": "30s", "scrapeTimeout": "20s", "labels": {"extra": "sm"}},
+        "serviceMonitor": {
+            "interval": "30s",
+            "scrapeTimeout": "20s",
+            "tracerInterval": "2s",
+            "tracerScrapeTimeout": "1s",
+            "labels": {"extra": "sm"},
+        },
     },
     "rules": {"labels": {"role": "alert-rules"}},
     "dashboards": {"labels": {"grafana_dashboard": "megatrace"}, "namespace": "grafana", "folder": ""},
@@ -383,37 +395,140 @@ def test_services_select_their_pods_and_named_ports(
     monitor = by_component(objects, "ServiceMonitor", component)
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == [port_name]
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {port_name}
 
 
 def test_exporter_service_monitor_keeps_the_training_job_label(objects: list[dict[str, Any]]) -> None:
     monitor = by_component(objects, "ServiceMonitor", "exporter")
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["honorLabels"] is True
-    assert endpoint["path"] == "/metrics"
-    assert {
-        "sourceLabels": ["__meta_kubernetes_pod_node_name"],
-        "targetLabel": "instance",
-        "action": "replace",
-    } in endpoint["relabelings"]
+    endpoints = monitor["spec"]["endpoints"]
+    assert [endpoint["path"] for endpoint in endpoints] == ["/metrics", "/metrics/tracer"]
+    for endpoint in endpoints:
+        assert endpoint["honorLabels"] is True
+        assert {
+            "sourceLabels": ["__meta_kubernetes_pod_node_name"],
+            "targetLabel": "instance",
+            "action": "replace",
+        } in endpoint["relabelings"]
+
+
+TRACER_SERIES = {"sourceLabels": ["__name__"], "regex": "megatrace_tracer_.*"}
+
+
+@pytest.mark.parametrize(
+    ("values", "hardware", "tracer"),
+    [({}, ("15s", "10s"), ("5s", "4s")), (CUSTOM_VALUES, ("30s", "20s"), ("2s", "1s"))],
+    ids=["defaults", "custom"],
+)
+def test_exporter_tracer_series_are_scraped_once_on_their_own_interval(
+    values: dict[str, Any], hardware: tuple[str, str], tracer: tuple[str, str]
+) -> None:
+    """/metrics/tracer at the short interval of the hang budget keeps only the tracer's series; /metrics,
+    at the hardware interval, drops them (the agent serves them there too); the tracer endpoint's
+    `endpoint` label tells its `up` from that of /metrics."""
+    metrics, tracer_path = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
+    assert (metrics["path"], metrics["interval"], metrics["scrapeTimeout"]) == ("/metrics", *hardware)
+    assert (tracer_path["path"], tracer_path["interval"], tracer_path["scrapeTimeout"]) == (
+        "/metrics/tracer",
+        *tracer,
+    )
+    assert metrics["metricRelabelings"] == [{**TRACER_SERIES, "action": "drop"}]
+    assert tracer_path["metricRelabelings"] == [{**TRACER_SERIES, "action": "keep"}]
+    assert {"targetLabel": "endpoint", "replacement": "tracer", "action": "replace"} in tracer_path[
+        "relabelings"
+    ]
+    assert not [item for item in metrics["relabelings"] if item.get("targetLabel") == "endpoint"]
+
+
+class _TwoPathAgent(http.server.BaseHTTPRequestHandler):
+    """An agent as the contract of /metrics/tracer has it: /metrics serves every collector's series, the
+    tracer's among them, and /metrics/tracer the tracer's alone."""
+
+    TRACER = b'megatrace_tracer_rank_alive{job="llama",rank="0",local_rank="0"} 1\n'
+    HARDWARE = b'megatrace_gpu_temperature_celsius{gpu="0"} 50\n'
+
+    def do_GET(self) -> None:
+        bodies = {"/metrics": self.HARDWARE + self.TRACER, "/metrics/tracer": self.TRACER}
+        body = bodies.get(self.path)
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_operator_scrape_jobs_of_the_chart_scrape_each_series_once(tmp_path: Path) -> None:
+    """A real Prometheus running the scrape jobs the operator makes of the two endpoints (the cluster
+    harness's generator), against an agent serving both paths: the tracer's series arrive once, from
+    /metrics/tracer, with the training job's `job`; the hardware series from /metrics; two `up`s."""
+    agent = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TwoPathAgent)
+    threading.Thread(target=agent.serve_forever, daemon=True).start()
+    port = agent.server_address[1]
+    sm = {"interval": "1s", "scrapeTimeout": "1s", "tracerInterval": "1s", "tracerScrapeTimeout": "1s"}
+    objects = render({"exporter": {"port": port, "serviceMonitor": sm}})
+    sd_file = tmp_path / "targets.json"
+    sd_file.write_text(json.dumps(exporter_targets(objects, [("exporter-a", "127.0.0.1", "gpu-node-1")])))
+    config_file = tmp_path / "prometheus.yml"
+    jobs = exporter_scrape_jobs(objects, sd_file)
+    config_file.write_text(yaml.safe_dump({"global": {"evaluation_interval": "1s"}, "scrape_configs": jobs}))
+    check = subprocess.run(
+        [require_binary("promtool"), "check", "config", str(config_file)], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    prom_port = free_port()
+    api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+    argv = prometheus_argv(config_file, tmp_path / "data", prom_port)
+    try:
+        with running(argv, f"http://127.0.0.1:{prom_port}/-/ready", tmp_path / "prometheus.log"):
+
+            def query(promql: str) -> list[dict[str, Any]]:
+                return requests.get(api, params={"query": promql}, timeout=10).json()["data"]["result"]
+
+            deadline = time.monotonic() + 60
+            while len(query('up{job="megatrace"} == 1')) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            up = {s["metric"]["endpoint"]: s["metric"] for s in query('up{job="megatrace"} == 1')}
+            tracer = query("megatrace_tracer_rank_alive")
+            hardware = query("megatrace_gpu_temperature_celsius")
+    finally:
+        agent.shutdown()
+    assert set(up) == {"metrics", "tracer"}
+    assert {labels["instance"] for labels in up.values()} == {"gpu-node-1"}
+    ((series,),) = [tracer]
+    assert series["metric"]["endpoint"] == "tracer"
+    assert series["metric"]["job"] == "llama"
+    assert series["metric"]["agent_address"] == f"127.0.0.1:{port}"
+    ((gpu,),) = [hardware]
+    assert gpu["metric"]["endpoint"] == "metrics"
+
+
+def test_exporter_metric_relabelings_from_values_follow_the_charts_own() -> None:
+    extra = [{"action": "labeldrop", "regex": "pci_bus_id"}]
+    values = {"exporter": {"serviceMonitor": {"metricRelabelings": extra}}}
+    for endpoint in by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]:
+        assert endpoint["metricRelabelings"][1:] == extra
+        assert endpoint["metricRelabelings"][0]["regex"] == "megatrace_tracer_.*"
 
 
 @pytest.mark.parametrize("relabelings", [None, [], [{"targetLabel": "cluster", "replacement": "a"}]])
 def test_exporter_targets_carry_the_address_the_bot_dials(relabelings: list[dict[str, str]] | None) -> None:
     values = {} if relabelings is None else {"exporter": {"serviceMonitor": {"relabelings": relabelings}}}
-    (endpoint,) = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
-    # the pod's discovered IP:port, set before the user's relabelings (which may not drop it)
-    assert endpoint["relabelings"][0] == {
-        "sourceLabels": ["__address__"],
-        "targetLabel": "agent_address",
-        "action": "replace",
-    }
+    metrics, tracer = by_component(render(values), "ServiceMonitor", "exporter")["spec"]["endpoints"]
     node_name = {
         "sourceLabels": ["__meta_kubernetes_pod_node_name"],
         "targetLabel": "instance",
         "action": "replace",
     }
-    assert endpoint["relabelings"][1:] == ([node_name] if relabelings is None else relabelings)
+    expected = [node_name] if relabelings is None else relabelings
+    for endpoint, chart_own in ((metrics, 1), (tracer, 2)):
+        # the pod's discovered IP:port, set before the user's relabelings (which may not drop it)
+        assert endpoint["relabelings"][0] == {
+            "sourceLabels": ["__address__"],
+            "targetLabel": "agent_address",
+            "action": "replace",
+        }
+        assert endpoint["relabelings"][chart_own:] == expected
 
 
 def scrape_jobs(objects: list[dict[str, Any]]) -> dict[str, str]:
@@ -605,6 +720,10 @@ def test_alertmanager_config_routes_graded_alerts_to_the_bot(objects: list[dict[
     (receiver,) = config["spec"]["receivers"]
     assert config["spec"]["route"]["receiver"] == receiver["name"]
     assert config["spec"]["route"]["matchers"] == [{"name": "severity", "matchType": "=~", "value": "P[0-3]"}]
+    assert config["spec"]["route"]["groupWait"] == "10s"
+    # pages leave after a short first wait, inheriting the rest (docs/alerts.md, the time-to-page budget)
+    (pages,) = config["spec"]["route"]["routes"]
+    assert pages == {"matchers": [{"name": "severity", "matchType": "=", "value": "P0"}], "groupWait": "1s"}
     (webhook,) = receiver["webhookConfigs"]
     port = service["spec"]["ports"][0]["port"]
     assert webhook["url"] == f"http://{service['metadata']['name']}.{NAMESPACE}.svc:{port}/alertmanager"
@@ -676,6 +795,8 @@ def test_operator_objects_can_be_left_out_when_the_crds_are_absent() -> None:
         ({"alertbot": {"service": {"type": "Ingress"}}}, "/alertbot/service/type"),
         ({"alertbot": {"feishuSecret": "hunter2"}}, "/alertbot"),
         ({"alertmanagerConfig": {"groupWait": 10}}, "/alertmanagerConfig/groupWait"),
+        ({"alertmanagerConfig": {"p0GroupWait": "soon"}}, "/alertmanagerConfig/p0GroupWait"),
+        ({"exporter": {"serviceMonitor": {"tracerInterval": 5}}}, "/exporter/serviceMonitor/tracerInterval"),
         ({"alertbot": {"existingSecret": ""}}, "/alertbot/existingSecret"),
         ({"exporter": {"tracerGraceSeconds": -1}}, "/exporter/tracerGraceSeconds"),
         ({"exporters": {"enabled": True}}, "exporters"),

@@ -160,6 +160,35 @@ def test_recording_rules_follow_the_naming_convention() -> None:
     assert len(names) == len(set(names))
 
 
+def test_time_literals_are_written_where_time_compression_finds_them() -> None:
+    """A time in seconds inside an expression is written `vector(N)`, only in recording rules of seconds:
+    the local stack's time compression divides exactly those (core/stack_files.py, docs/alerts.md)."""
+    literals = []
+    for rule in recording_rules():
+        if "vector(" in rule["expr"]:
+            assert rule["record"].endswith(":seconds"), rule["record"]
+            literals += re.findall(r"vector\(([0-9.]+)\)", rule["expr"])
+    for _, rule in alert_rules():
+        assert "vector(" not in rule["expr"], rule["alert"]
+    assert sorted(literals, key=float) == ["10", "300", "600", "900"]
+
+
+def test_hang_alerts_wait_briefly_in_groups_evaluated_every_5_seconds() -> None:
+    """The time-to-page budget of docs/alerts.md: the training groups run every 5 s, the hang alerts'
+    `for:` is at most 15 s."""
+    groups = yaml.safe_load((RULES_DIR / "training.yml").read_text())["groups"]
+    assert {group["name"]: group.get("interval") for group in groups} == {
+        "megatrace-training-recording": "5s",
+        "megatrace-training-culprits": "5s",
+        "megatrace-training": "5s",
+    }
+    hang = [rule for group in groups for rule in group["rules"] if rule.get("alert", "").endswith("Hang")]
+    assert {rule["alert"]: rule["for"] for rule in hang} == {
+        "MegatraceJobHang": "15s",
+        "MegatraceRankHang": "15s",
+    }
+
+
 def test_every_runbook_belongs_to_an_alert() -> None:
     alerts = {rule["alert"] for _, rule in alert_rules()}
     runbooks = {path.stem for path in RUNBOOKS_DIR.glob("*.md")}

@@ -14,17 +14,18 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from megatrace.tracer.format import OP_PAUSE, PAUSE_KIND_NAMES, RECORD_OP_CODES, RECORD_OP_NAMES
 from megatrace.tracer.ringfile import (
     DTYPE_CODES,
     DTYPE_NAMES,
     FLAG_ASYNC,
     FLAG_PROCESS_GROUP,
     FORMAT_VERSION,
-    OP_CODES,
     OP_NAMES,
     READABLE_VERSIONS,
     RECORD_DTYPE,
     CommCounters,
+    PauseState,
     RingHeader,
     RingSnapshot,
 )
@@ -39,10 +40,12 @@ _COUNTER_KEYS = (
     "capacity", "records_written", "dumps_written",
 )  # fmt: skip
 # Header words added to version 1 later: written always, read as 0 from dumps that lack them.
-_LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool}
+_LATER_KEYS: dict[str, type] = {"stall_threshold_ns": int, "writer_locks": bool, "pause_records": int}
 # Added in version 2 (read as unset from version 1 dumps).
 _V2_KEYS = ("capture", "cuda_device", "device_uuid")
 _COUNTER_FIELDS = ("issued", "completed", "inflight_op", "inflight_seq", "inflight_enqueue_ns", "last_op")
+# Added in version 3: the fields of a "# pause" line (one per pause kind).
+_PAUSE_FIELDS = ("since_ns", "ended", "total_ns")
 _RECORD_INT_KEYS = ("serial", "rank", "comm", "seq", "nbytes", "peer", "enqueue_ns", "complete_ns", "step")
 
 
@@ -70,11 +73,14 @@ def _pairs(items: list[tuple[str, object]]) -> str:
 def format_record(row: np.void) -> str:
     """One record as a dump line."""
     state = "completed" if row["complete_ns"] else "inflight"
+    op = int(row["op"])
+    kind = [("kind", PAUSE_KIND_NAMES.get(int(row["peer"]), ""))] if op == OP_PAUSE else []
     return _pairs(
         [
             ("serial", int(row["serial"])),
             ("rank", int(row["rank"])),
-            ("op", OP_NAMES.get(int(row["op"]), f"op{int(row['op'])}")),
+            ("op", RECORD_OP_NAMES.get(op, f"op{op}")),
+            *kind,
             ("comm", int(row["comm_id"])),
             ("seq", int(row["seq"])),
             ("nbytes", int(row["nbytes"])),
@@ -107,14 +113,24 @@ def write_dump(
         "# " + _pairs([(key, getattr(h, key)) for key in _IDENTITY_KEYS]),
         "# " + _pairs([(key, getattr(h, key)) for key in (*_COUNTER_KEYS, *_LATER_KEYS)]),
         "# " + _pairs([(key, getattr(h, key)) for key in _V2_KEYS]),
+        "# " + _pairs([("pause_kind", h.pause_kind)]),
         "# calls " + _pairs(sorted(h.calls_by_op.items())),
         "# bytes " + _pairs(sorted(h.bytes_by_op.items())),
     ]
     for cid, ranks in sorted(snapshot.communicators.items()):
         lines.append(f"# comm id={cid} ranks={','.join(str(r) for r in ranks)}")
     for cid, counters in sorted(h.comm_counters.items()):
+        histogram = ",".join(str(count) for count in counters.histogram) or "-"
+        fields = [(key, getattr(counters, key)) for key in _COUNTER_FIELDS]
+        fields += [
+            ("max_duration_ns", counters.max_duration_ns),
+            ("duration_sum_ns", counters.duration_sum_ns),
+            ("histogram", histogram),
+        ]
+        lines.append("# counters " + _pairs([("id", cid), *fields]))
+    for kind, pause in sorted(h.pauses.items()):
         lines.append(
-            "# counters " + _pairs([("id", cid), *((key, getattr(counters, key)) for key in _COUNTER_FIELDS)])
+            "# pause " + _pairs([("kind", kind), *((key, getattr(pause, key)) for key in _PAUSE_FIELDS)])
         )
     records = snapshot.records[-max_records:] if max_records > 0 else snapshot.records[:0]
     lines.extend(format_record(row) for row in records)
@@ -154,9 +170,25 @@ def _per_op(pairs: dict[str, str], where: str) -> dict[str, int]:
     return counts
 
 
+def _v3_counters(pairs: dict[str, str], where: str) -> dict:
+    """The version 3 fields of a counters line (none in older dumps)."""
+    if "max_duration_ns" not in pairs:
+        return {}
+    raw = _text(pairs.get("histogram", "-"))
+    try:
+        histogram = tuple(int(count) for count in raw.split(",")) if raw else ()
+    except ValueError:
+        raise DumpFormatError(f"{where}: histogram= must be comma-separated integers") from None
+    return {
+        "max_duration_ns": _int(pairs, "max_duration_ns", where),
+        "duration_sum_ns": _int(pairs, "duration_sum_ns", where),
+        "histogram": histogram,
+    }
+
+
 def _parse_record(pairs: dict[str, str], where: str) -> tuple:
     values = {key: _int(pairs, key, where) for key in _RECORD_INT_KEYS}
-    op = OP_CODES.get(pairs.get("op", ""))
+    op = RECORD_OP_CODES.get(pairs.get("op", ""))
     if op is None:
         raise DumpFormatError(f"{where}: unknown op {pairs.get('op')!r}")
     dtype = DTYPE_CODES.get(pairs.get("dtype", ""), DTYPE_CODES["other"])
@@ -186,6 +218,7 @@ def read_dump(path: str | Path) -> RingSnapshot:
     nbytes: dict[str, int] = {}
     comms: dict[int, tuple[int, ...]] = {}
     counters: dict[int, CommCounters] = {}
+    pauses: dict[str, PauseState] = {}
     rows = []
     for number, line in enumerate(lines[1:], start=2):
         where = f"{path}:{number}"
@@ -208,7 +241,13 @@ def read_dump(path: str | Path) -> RingSnapshot:
                 **{
                     key: _text(pairs.get(key, "-")) if key.endswith("_op") else _int(pairs, key, where)
                     for key in _COUNTER_FIELDS
-                }
+                },
+                **_v3_counters(pairs, where),
+            )
+        elif line.startswith("# pause "):
+            pairs = _parse_pairs(line[len("# pause ") :], where)
+            pauses[_text(pairs.get("kind", "-"))] = PauseState(
+                *(_int(pairs, key, where) for key in _PAUSE_FIELDS)
             )
         elif line.startswith("#"):
             meta.update(_parse_pairs(line[1:], where))
@@ -236,6 +275,8 @@ def read_dump(path: str | Path) -> RingSnapshot:
         cuda_device=_int(meta, "cuda_device", where) if "cuda_device" in meta else -1,
         device_uuid=_text(meta.get("device_uuid", "-")),
         comm_counters=counters,
+        pause_kind=_text(meta.get("pause_kind", "-")),
+        pauses=pauses,
     )
     return RingSnapshot(
         header=header,

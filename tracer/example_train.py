@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import megatrace.tracer
+from megatrace.tracer.example_pauses import Batches, Pause, act_out, hang_in_optimizer, parse_pause
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -85,8 +86,18 @@ def make_groups(world: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGro
     return tp_group, dp_group
 
 
-def train(steps: int, tp: int, width: int, hidden: int, batch: int, timeout_s: float) -> None:
-    """The worker: join the job, train for `steps` steps, leave."""
+def train(
+    steps: int,
+    tp: int,
+    width: int,
+    hidden: int,
+    batch: int,
+    timeout_s: float,
+    pauses: Sequence[Pause] = (),
+    optimizer_hang: tuple[int, int] | None = None,
+) -> None:
+    """The worker: join the job, train for `steps` steps, leave; act out this rank's `pauses`, and
+    hang inside the optimizer step when `optimizer_hang` (rank, step) names it."""
     torch.set_num_threads(1)
     megatrace.tracer.install()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -98,10 +109,18 @@ def train(steps: int, tp: int, width: int, hidden: int, batch: int, timeout_s: f
     for param in model.parameters():
         dist.broadcast(param.data, src=min(dp_ranks), group=dp_group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if optimizer_hang is not None and optimizer_hang[0] == rank:
+        hang_in_optimizer(optimizer, optimizer_hang[1])
     dp_size = len(dp_ranks)
-    data = torch.Generator().manual_seed(99 + rank // tp)
-    for step in range(steps):
-        x = torch.randn(batch, width, generator=data)
+    mine = [p for p in pauses if p.rank == rank]
+    slow = next((p for p in mine if p.kind == "dataloader"), Pause("dataloader", rank, -1, 0.0))
+    loader = torch.utils.data.DataLoader(
+        Batches(batch, width, 99 + rank // tp, slow.step, slow.seconds), batch_size=None
+    )
+    for step, x in zip(range(steps), loader, strict=False):
+        for pause in mine:
+            if pause.step == step and pause.kind != "dataloader":
+                act_out(pause, model)
         loss = (model(x) - x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
@@ -176,6 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="collective timeout in seconds (default 600: an injected hang lasts past MegatraceJobHang's "
         "for: 2m before the ranks give up)",
     )
+    parser.add_argument(
+        "--pause",
+        action="append",
+        default=[],
+        type=parse_pause,
+        metavar="KIND:RANK:STEP:SECONDS",
+        help="rank RANK pauses at step STEP for SECONDS: checkpoint (torch.save to a slow file), eval "
+        "(model.eval() pass) or dataloader (a slow batch); repeatable",
+    )
+    parser.add_argument(
+        "--hang-in-optimizer",
+        metavar="RANK:STEP",
+        default="",
+        help="rank RANK hangs inside optimizer.step() of step STEP",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -188,12 +222,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 0 or args.timeout <= 0:
         print("example_train: --steps must be >= 0 and --timeout > 0", file=sys.stderr)
         return 2
+    try:
+        rank_step = (
+            [int(part) for part in args.hang_in_optimizer.split(":")] if args.hang_in_optimizer else []
+        )
+    except ValueError:
+        rank_step = [-1]
+    if args.hang_in_optimizer and (len(rank_step) != 2 or min(rank_step) < 0):
+        print("example_train: --hang-in-optimizer expects RANK:STEP", file=sys.stderr)
+        return 2
     if args.worker:
-        train(args.steps, args.tp, args.width, args.hidden, args.batch, args.timeout)
+        hang = (rank_step[0], rank_step[1]) if rank_step else None
+        train(args.steps, args.tp, args.width, args.hidden, args.batch, args.timeout, args.pause, hang)
         return 0
     worker_args = [
         f"--nprocs={args.nprocs}", f"--steps={args.steps}", f"--tp={args.tp}", f"--width={args.width}",
         f"--hidden={args.hidden}", f"--batch={args.batch}", f"--timeout={args.timeout}",
+        *(f"--pause={p.kind}:{p.rank}:{p.step}:{p.seconds:g}" for p in args.pause),
+        *([f"--hang-in-optimizer={args.hang_in_optimizer}"] if args.hang_in_optimizer else []),
     ]  # fmt: skip
     return launch(args.nprocs, worker_args)
 

@@ -10,15 +10,19 @@ readable.
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
 
-FORMAT_VERSION = 2
-# Versions the readers accept: version 1 files lack what version 2 added (read as unset).
-READABLE_VERSIONS = frozenset({1, 2})
+FORMAT_VERSION = 3
+# Versions the readers accept: older files lack what later versions added (read as unset).
+READABLE_VERSIONS = frozenset({1, 2, 3})
 MAGIC = b"MEGATRC\x00"
-HEADER_SIZE = 4096
+# Version 3 grew the header from one page (4096 bytes) to three, for the pauses and the histograms.
+HEADER_SIZE = 12288
+# The first page: what versions 1 and 2 called the header (readers of those versions read only it).
+HEADER_PAGE = 4096
 RECORD_SIZE = 72
 # Per-op counters in the header: one word per op code below MAX_OPS.
 MAX_OPS = 32
@@ -56,6 +60,8 @@ W_WRITER_FLAGS = 27
 W_CAPTURE = 28
 W_CUDA_DEVICE = 29
 W_COMM_COUNTERS_USED = 30
+# Added in version 3: the kind of the pause begun last among those in progress (0: not in a pause).
+W_PAUSE_KIND = 31
 W_CALLS_BY_OP = 32
 W_BYTES_BY_OP = W_CALLS_BY_OP + MAX_OPS
 # Byte offsets of the text fields (UTF-8, NUL-padded).
@@ -76,6 +82,31 @@ C_INFLIGHT_OP = 3
 C_INFLIGHT_SEQ = 4
 C_INFLIGHT_ENQUEUE_NS = 5
 C_LAST_OP = 6
+# Version 3: the longest completed op of the communicator, enqueue to completion, ns.
+C_MAX_DURATION_NS = 7
+
+# Pauses (version 3): one entry of PAUSE_WORDS words per pause kind k (PAUSE_KIND_NAMES), at word
+# PAUSES_OFFSET // 8 + (k - 1) * PAUSE_WORDS; the P_* names are word indices inside one entry.
+PAUSES_OFFSET = 4096
+PAUSE_WORDS = 4
+MAX_PAUSE_KINDS = 8
+P_SINCE_NS = 0
+P_ENDED = 1
+P_TOTAL_NS = 2
+PAUSE_KIND_NAMES: dict[int, str] = {1: "checkpoint", 2: "eval", 3: "dataloader"}
+PAUSE_KIND_CODES: dict[str, int] = {name: code for code, name in PAUSE_KIND_NAMES.items()}
+
+# Per-communicator histograms of completed op durations (version 3): entry i (the communicator of
+# counter entry i) is HISTOGRAM_WORDS words at byte HISTOGRAM_OFFSET + i * HISTOGRAM_WORDS * 8; word b
+# counts ops whose duration d (ns) has bit length 20 + b: bucket 0 holds d < 2^20 ns (~1 ms), bucket b
+# holds 2^(19+b) <= d < 2^(20+b), and the last, HISTOGRAM_BUCKETS - 1, everything from 2^40 ns (~18 min).
+# The entry's word H_SUM_NS holds the sum of the durations; its last word is reserved.
+HISTOGRAM_OFFSET = PAUSES_OFFSET + MAX_PAUSE_KINDS * PAUSE_WORDS * 8
+HISTOGRAM_WORDS = 24
+HISTOGRAM_BUCKETS = 22
+HISTOGRAM_FIRST_BITS = 20
+# Word of a histogram entry after the buckets: the sum of the counted durations, ns.
+H_SUM_NS = HISTOGRAM_BUCKETS
 
 # Writer flag (word W_WRITER_FLAGS): the writing process holds a shared flock on the file while it lives.
 WRITER_HOLDS_LOCK = 1
@@ -138,12 +169,47 @@ OP_NAMES: dict[int, str] = {
 OP_CODES: dict[str, int] = {name: code for code, name in OP_NAMES.items()}
 # The analyzer's code for an op of another format that the table does not name (no tracer writes it).
 OP_OTHER = 12
+# Records that are not ops (version 3): a pause span (comm_id 0; peer: the pause kind; seq: the
+# pause's number among those of its kind). No tracer counts them as collectives; the analyzer skips them.
+OP_PAUSE = 13
+SPAN_NAMES: dict[int, str] = {OP_PAUSE: "pause"}
+# Every record's op byte by name: the ops and the spans.
+RECORD_OP_NAMES: dict[int, str] = {**OP_NAMES, **SPAN_NAMES}
+RECORD_OP_CODES: dict[str, int] = {name: code for code, name in RECORD_OP_NAMES.items()}
 P2P_OPS = frozenset({OP_CODES["send"], OP_CODES["recv"]})
 
 
 def op_name(code: int) -> str:
-    """The name of op code `code`; "other" for a code the table does not hold."""
-    return OP_NAMES.get(code, "other")
+    """The name of op code `code` ("pause" for a pause record); "other" for a code no table holds."""
+    return RECORD_OP_NAMES.get(code, "other")
+
+
+def histogram_bucket(duration_ns: int) -> int:
+    """The histogram bucket of an op that took `duration_ns` (the native capture computes the same with
+    one count-leading-zeros)."""
+    return min(max(duration_ns.bit_length() - HISTOGRAM_FIRST_BITS, 0), HISTOGRAM_BUCKETS - 1)
+
+
+def bucket_upper_ns(bucket: int) -> int:
+    """The exclusive upper edge of `bucket` in ns; 0 for the last bucket, which has none."""
+    return 0 if bucket >= HISTOGRAM_BUCKETS - 1 else 1 << (HISTOGRAM_FIRST_BITS + bucket)
+
+
+def quantile_upper_ns(histogram: tuple[int, ...] | list[int], max_ns: int, q: float) -> int:
+    """An upper bound of the `q` quantile of the durations counted in `histogram`: the upper edge of the
+    bucket holding it, or the longest duration `max_ns` where that is smaller (always so in the last
+    bucket). 0 for an empty histogram."""
+    total = sum(histogram)
+    if total <= 0:
+        return 0
+    rank = max(1, math.ceil(round(q * total, 9)))
+    seen = 0
+    for bucket, count in enumerate(histogram):
+        seen += count
+        if seen >= rank:
+            edge = bucket_upper_ns(bucket)
+            return min(edge, max_ns) if edge and max_ns > 0 else max_ns or edge
+    return max_ns
 
 
 DTYPE_NAMES: dict[int, str] = {
@@ -183,6 +249,7 @@ def native_layout() -> dict[str, int]:
     each record field's offset and the record's size as the compiler laid out the C++ struct."""
     layout = dict(layout_constants())
     layout.update({f"OP_{name.upper()}": code for code, name in OP_NAMES.items()})
+    layout.update({f"SPAN_{name.upper()}": code for code, name in SPAN_NAMES.items()})
     layout.update({f"DTYPE_{name.upper()}": code for code, name in DTYPE_NAMES.items()})
     layout.update({f"RECORD_{name.upper()}_OFFSET": offset for name, _, offset in RECORD_FIELDS})
     layout["RECORD_STRUCT_SIZE"] = RECORD_SIZE
@@ -201,6 +268,7 @@ def _cpp_constants() -> list[str]:
     magic = ", ".join(str(byte) for byte in MAGIC)
     lines.append(f"constexpr uint8_t kMagic[{len(MAGIC)}] = {{{magic}}};")
     ops = ", ".join(f"k{_camel(name)} = {code}" for code, name in OP_NAMES.items())
+    ops += ", " + ", ".join(f"kSpan{_camel(name)} = {code}" for code, name in SPAN_NAMES.items())
     lines += ["", f"enum Op : uint8_t {{ {ops} }};", ""]
     lines += [f"constexpr uint8_t kDtype{_camel(name)} = {code};" for code, name in DTYPE_NAMES.items()]
     return lines
@@ -219,6 +287,7 @@ def _cpp_record() -> list[str]:
 def _cpp_layout_entries() -> list[str]:
     entries = [(name, f"k{_camel(name)}") for name in layout_constants()]
     entries += [(f"OP_{name.upper()}", f"k{_camel(name)}") for name in OP_NAMES.values()]
+    entries += [(f"SPAN_{name.upper()}", f"kSpan{_camel(name)}") for name in SPAN_NAMES.values()]
     entries += [(f"DTYPE_{name.upper()}", f"kDtype{_camel(name)}") for name in DTYPE_NAMES.values()]
     entries += [
         (f"RECORD_{name.upper()}_OFFSET", f"offsetof(Record, {name})") for name, _, _ in RECORD_FIELDS

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from megatrace.tracer.format import C_MAX_DURATION_NS, H_SUM_NS, HISTOGRAM_BUCKETS, histogram_bucket
 from megatrace.tracer.ringfile import (
     C_COMPLETED,
     C_INFLIGHT_ENQUEUE_NS,
@@ -42,6 +43,10 @@ from megatrace.tracer.ringfile import (
 )
 
 _clock = time.time_ns
+# The histogram bucket of a duration by its bit length (`format.histogram_bucket` as a table lookup),
+# and where a communicator's list in `Recorder.durations` keeps the sum and the maximum.
+_BUCKET_OF_BITS = tuple(histogram_bucket(1 << bits >> 1) for bits in range(65))
+_SUM, _MAX = HISTOGRAM_BUCKETS, HISTOGRAM_BUCKETS + 1
 _pack = RECORD_STRUCT.pack_into
 
 
@@ -74,6 +79,8 @@ class Recorder:
         self.last_complete_ns = 0
         self.wait_ns_total = 0
         self.comm_entries: dict[int, int] = {}
+        # communicator id -> its completed ops' duration histogram buckets, then their sum and maximum (ns)
+        self.durations: dict[int, list[int]] = {}
 
     def begin(self, cid: int, op: int, nbytes: int, dtype: int, peer: int, flags: int) -> int:
         """Record an op as issued now; returns its serial (1-based record number) to pass to `end`."""
@@ -105,10 +112,28 @@ class Recorder:
             return
         word = (serial - 1) % self.capacity * RECORD_WORDS
         words = self.record_words
+        took = now - started
         if words[word] == serial:  # not yet overwritten by the ring
             words[word + R_COMPLETE_NS] = now
+            cid = words[word + R_COMM_ID]
+            durations = self.durations.get(cid)
+            if durations is None:
+                durations = self.durations[cid] = [0] * (HISTOGRAM_BUCKETS + 2)
+            durations[_BUCKET_OF_BITS[took.bit_length()]] += 1
+            durations[_SUM] += took
+            if took > durations[_MAX]:
+                durations[_MAX] = took
         self.last_complete_ns = now
-        self.wait_ns_total += now - started
+        self.wait_ns_total += took
+
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
+        """Write a completed span that is no op (a pause: `format.OP_PAUSE`) as a record of its own."""
+        serial = self.serial + 1
+        self.serial = serial
+        offset = (serial - 1) % self.capacity * RECORD_SIZE
+        _pack(self.records, offset, 0, 0, seq, 0, start_ns, end_ns, self.step, self.rank, peer, op, 0, 0)
+        self.record_words[offset >> 3] = serial
+        self.calls_by_op[op] += 1
 
     @property
     def calls(self) -> int:
@@ -140,8 +165,9 @@ class Recorder:
         self.publish_comm_counters()
 
     def publish_comm_counters(self) -> None:
-        """Per-communicator ops issued and completed, and the oldest op in flight of each, into the
-        header (computed here from the sequence counters and the in-flight ops, off the record path)."""
+        """Per-communicator ops issued and completed, the oldest op in flight of each, and the histogram
+        of their completed ops' durations into the header (computed here from the sequence counters and
+        the in-flight ops, off the record path)."""
         issued = dict(self.seq)
         for (cid, _peer, _op), count in list(self.p2p_seq.items()):
             issued[cid] = issued.get(cid, 0) + count
@@ -169,6 +195,14 @@ class Recorder:
             header[base + C_INFLIGHT_OP] = op
             header[base + C_INFLIGHT_SEQ] = seq
             header[base + C_INFLIGHT_ENQUEUE_NS] = enqueue_ns
+            durations = self.durations.get(cid)
+            if durations is not None:
+                *buckets, total, longest = list(durations)
+                histogram = self.writer.histogram_entry(base)
+                for bucket, count_in in enumerate(buckets):
+                    header[histogram + bucket] = count_in
+                header[histogram + H_SUM_NS] = total
+                header[base + C_MAX_DURATION_NS] = longest
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""
@@ -211,6 +245,10 @@ class NativeRecorder:
 
     def publish(self) -> None:
         """Nothing to copy: the native side keeps the header's counters live."""
+
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
+        """Write a completed span that is no op (a pause) as a record, numbered by the native side."""
+        self.native.record_span(op, peer, seq, start_ns, end_ns, self.header[W_STEP_COUNT])
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""

@@ -1,6 +1,6 @@
 """The tracer's per-rank ring file: the writer used inside a rank, and `read_ring`.
 
-One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 4 KiB header (identity and
+One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 12 KiB header (identity and
 live counters), a communicator table, then a ring of fixed-size records. The layout is defined in
 `megatrace.tracer.format` and described in ``docs/tracer-format.md``. This module imports no torch:
 the exporter and the analyzer read files with it while ranks write them.
@@ -30,19 +30,32 @@ from megatrace.tracer.format import (
     C_INFLIGHT_SEQ,
     C_ISSUED,
     C_LAST_OP,
+    C_MAX_DURATION_NS,
     CAPTURE_NAMES,
     COMM_COUNTER_WORDS,
     COMM_COUNTERS_OFFSET,
     DEVICE_UUID_BYTES,
     DEVICE_UUID_OFFSET,
     FORMAT_VERSION,
+    H_SUM_NS,
+    HEADER_PAGE,
     HEADER_SIZE,
+    HISTOGRAM_BUCKETS,
+    HISTOGRAM_OFFSET,
+    HISTOGRAM_WORDS,
     HOST_OFFSET,
     JOB_OFFSET,
     MAGIC,
     MAX_COMM_COUNTERS,
     MAX_OPS,
     OP_NAMES,
+    OP_PAUSE,
+    P_ENDED,
+    P_SINCE_NS,
+    P_TOTAL_NS,
+    PAUSE_KIND_NAMES,
+    PAUSE_WORDS,
+    PAUSES_OFFSET,
     READABLE_VERSIONS,
     RECORD_DTYPE,
     RECORD_FIELDS,
@@ -68,6 +81,7 @@ from megatrace.tracer.format import (
     W_LOCAL_RANK,
     W_OLDEST_INFLIGHT_ENQUEUE_NS,
     W_OLDEST_INFLIGHT_OP,
+    W_PAUSE_KIND,
     W_PID,
     W_RANK,
     W_RECORD_SIZE,
@@ -138,6 +152,8 @@ class RingHeader:
     finished: bool
     capacity: int = 0
     records_written: int = 0
+    # Of those, pause records (version 3; counted in the calls word of op code OP_PAUSE).
+    pause_records: int = 0
     dumps_written: int = 0
     # The writer's stall sensitivity (MEGATRACE_TRACE_STALL_MS); 0 = unknown (older writers, dumps).
     stall_threshold_ns: int = 0
@@ -148,12 +164,17 @@ class RingHeader:
     cuda_device: int = -1
     device_uuid: str = ""
     comm_counters: dict[int, CommCounters] = dataclasses.field(default_factory=dict)
+    # Version 3: the pause begun last among those in progress ("" none) and each kind's state.
+    pause_kind: str = ""
+    pauses: dict[str, PauseState] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class CommCounters:
     """One communicator's live counters on this rank: ops issued and completed, and the oldest op in
-    flight (op name, its sequence number, when it was issued; "", -1, 0 when none)."""
+    flight (op name, its sequence number, when it was issued; "", -1, 0 when none). Version 3 adds the
+    longest completed op (ns), the histogram of completed op durations (`format.histogram_bucket`;
+    empty for older files) and their sum (ns)."""
 
     issued: int
     completed: int
@@ -161,6 +182,18 @@ class CommCounters:
     inflight_seq: int = -1
     inflight_enqueue_ns: int = 0
     last_op: str = ""
+    max_duration_ns: int = 0
+    histogram: tuple[int, ...] = ()
+    duration_sum_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PauseState:
+    """One pause kind on this rank: since when it is in one (0: not now), how many ended and their time."""
+
+    since_ns: int = 0
+    ended: int = 0
+    total_ns: int = 0
 
 
 @dataclasses.dataclass
@@ -332,6 +365,14 @@ class RingWriter:
         self.header[W_COMM_COUNTERS_USED] = used + 1
         return base
 
+    def histogram_entry(self, counter_base: int) -> int:
+        """Word index (in `header`) of the duration histogram of the communicator whose counter entry
+        is at word `counter_base` (-1 for -1: no entry)."""
+        if counter_base < 0:
+            return -1
+        slot = (counter_base - COMM_COUNTERS_OFFSET // 8) // COMM_COUNTER_WORDS
+        return HISTOGRAM_OFFSET // 8 + slot * HISTOGRAM_WORDS
+
     def set_peer(self, serial: int, peer: int) -> None:
         """Fill in the peer of record `serial` once known (a receive from any source)."""
         slot = (serial - 1) % self.capacity
@@ -379,10 +420,23 @@ def _decode_text(raw: bytes) -> str:
     return raw.split(b"\x00", 1)[0].decode("utf-8", errors="replace")
 
 
-def _comm_counters_from(words: np.ndarray) -> dict[int, CommCounters]:
+def header_size_of(version: int) -> int:
+    """The header's size in a ring file of format `version`."""
+    return HEADER_SIZE if version >= 3 else HEADER_PAGE
+
+
+def _comm_counters_from(words: np.ndarray, version: int) -> dict[int, CommCounters]:
     counters = {}
     for slot in range(min(int(words[W_COMM_COUNTERS_USED]), MAX_COMM_COUNTERS)):
         entry = words[COMM_COUNTERS_OFFSET // 8 + slot * COMM_COUNTER_WORDS :][:COMM_COUNTER_WORDS]
+        later = {}
+        if version >= 3:
+            first = HISTOGRAM_OFFSET // 8 + slot * HISTOGRAM_WORDS
+            later = {
+                "max_duration_ns": int(entry[C_MAX_DURATION_NS]),
+                "histogram": tuple(int(count) for count in words[first : first + HISTOGRAM_BUCKETS]),
+                "duration_sum_ns": int(words[first + H_SUM_NS]),
+            }
         counters[int(entry[C_ID])] = CommCounters(
             issued=int(entry[C_ISSUED]),
             completed=int(entry[C_COMPLETED]),
@@ -390,8 +444,17 @@ def _comm_counters_from(words: np.ndarray) -> dict[int, CommCounters]:
             inflight_seq=int(entry[C_INFLIGHT_SEQ]),
             inflight_enqueue_ns=int(entry[C_INFLIGHT_ENQUEUE_NS]),
             last_op=OP_NAMES.get(int(entry[C_LAST_OP]), ""),
+            **later,
         )
     return counters
+
+
+def _pauses_from(words: np.ndarray) -> dict[str, PauseState]:
+    pauses = {}
+    for code, name in PAUSE_KIND_NAMES.items():
+        entry = words[PAUSES_OFFSET // 8 + (code - 1) * PAUSE_WORDS :][:PAUSE_WORDS]
+        pauses[name] = PauseState(int(entry[P_SINCE_NS]), int(entry[P_ENDED]), int(entry[P_TOTAL_NS]))
+    return pauses
 
 
 def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
@@ -405,8 +468,11 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
             "capture": CAPTURE_NAMES.get(int(words[W_CAPTURE]), ""),
             "cuda_device": int(words[W_CUDA_DEVICE]),
             "device_uuid": _decode_text(raw[DEVICE_UUID_OFFSET : DEVICE_UUID_OFFSET + DEVICE_UUID_BYTES]),
-            "comm_counters": _comm_counters_from(words),
+            "comm_counters": _comm_counters_from(words, version),
         }
+    if version >= 3:
+        later["pause_kind"] = PAUSE_KIND_NAMES.get(int(words[W_PAUSE_KIND]), "")
+        later["pauses"] = _pauses_from(words)
 
     return RingHeader(
         version=version,
@@ -430,6 +496,7 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
         finished=bool(words[W_FINISHED]),
         capacity=int(words[W_CAPACITY]),
         records_written=int(sum(words[W_CALLS_BY_OP : W_CALLS_BY_OP + MAX_OPS])),
+        pause_records=int(words[W_CALLS_BY_OP + OP_PAUSE]),
         dumps_written=int(words[W_DUMPS_WRITTEN]),
         stall_threshold_ns=int(words[W_STALL_THRESHOLD_NS]),
         writer_locks=bool(words[W_WRITER_FLAGS] & WRITER_HOLDS_LOCK),
@@ -438,20 +505,24 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
 
 
 def _check_header(path: Path, raw: bytes) -> np.ndarray:
-    if len(raw) < HEADER_SIZE:
+    """The header words of `raw` (the file's first bytes, at least its header), checked."""
+    if len(raw) < HEADER_PAGE:
         raise RingFormatError(f"{path}: too short for a ring file header ({len(raw)} bytes)")
     if raw[:8] != MAGIC:
         raise RingFormatError(f"{path}: not a Megatrace ring file (bad magic)")
-    words = np.frombuffer(raw, dtype="<i8", count=HEADER_SIZE // 8)
+    words = np.frombuffer(raw, dtype="<i8", count=HEADER_PAGE // 8)
     if words[W_VERSION] not in READABLE_VERSIONS:
         raise RingFormatError(f"{path}: ring format version {int(words[W_VERSION])} is not supported")
-    if words[W_RECORD_SIZE] != RECORD_SIZE or words[W_HEADER_SIZE] != HEADER_SIZE:
+    size = header_size_of(int(words[W_VERSION]))
+    if words[W_RECORD_SIZE] != RECORD_SIZE or words[W_HEADER_SIZE] != size:
         raise RingFormatError(f"{path}: unexpected header or record size")
-    return words
+    if len(raw) < size:
+        raise RingFormatError(f"{path}: too short for a ring file header ({len(raw)} bytes)")
+    return np.frombuffer(raw, dtype="<i8", count=size // 8)
 
 
 def read_header(path: str | Path) -> RingHeader:
-    """Only the header of a ring file (cheap: one 4 KiB read), e.g. for the exporter's counters."""
+    """Only the header of a ring file (cheap: one 12 KiB read), e.g. for the exporter's counters."""
     path = Path(path)
     try:
         with open(open_regular(path), "rb") as handle:
@@ -462,7 +533,8 @@ def read_header(path: str | Path) -> RingHeader:
 
 
 def header_of(path: str | Path, raw: bytes) -> RingHeader:
-    """The header in `raw`, the first `HEADER_SIZE` bytes of the ring file `path` (checked)."""
+    """The header in `raw`, the first `HEADER_SIZE` bytes of the ring file `path` (checked; a version 1
+    or 2 file's header is its first `HEADER_PAGE` bytes, and `raw` may be shorter than `HEADER_SIZE`)."""
     return _header_from(_check_header(Path(path), raw), raw)
 
 
@@ -510,7 +582,7 @@ def read_ring(path: str | Path) -> RingSnapshot:
         raw = mapped[:HEADER_SIZE]
     finally:
         mapped.close()
-    words = np.frombuffer(raw, dtype="<i8", count=HEADER_SIZE // 8)
+    words = np.frombuffer(raw, dtype="<i8", count=len(words))
     stable = (copied["serial"] != 0) & (copied["serial"] == serial_after)
     records = copied[stable]
     records = records[np.argsort(records["serial"], kind="stable")]

@@ -25,6 +25,8 @@ import torch.distributed.distributed_c10d as c10d
 from megatrace.config import ConfigError
 from megatrace.tracer import native, wrappers
 from megatrace.tracer.faults import FaultPlan
+from megatrace.tracer.pause_hooks import PauseHooks
+from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import NativeRecorder, Recorder
 from megatrace.tracer.ringfile import W_FINISHED, RankIdentity, RingWriter, comm_id, ring_path
 from megatrace.tracer.settings import (
@@ -91,6 +93,8 @@ class Tracer:
         self.disabled = False  # set when the ring cannot be opened: the rank then runs untraced
         self._open_lock = threading.Lock()
         self._step_hook: Any = None
+        self.pauses = Pauses(lambda: self.recorder)
+        self.pause_hooks: PauseHooks | None = None
 
     @property
     def capture(self) -> str:
@@ -227,6 +231,8 @@ class Tracer:
             return
         if self.recorder is not None:
             self.recorder.mark_step()
+        if self.pause_hooks is not None:
+            self.pause_hooks.end_eval()
 
     def _register_step_hook(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -340,6 +346,7 @@ def install(settings: TraceSettings | None = None, faults: FaultSettings | None 
         else:
             tracer.originals.update(wrappers.patch(tracer))
         _wrap_lifecycle(tracer)
+        tracer.pause_hooks = PauseHooks(tracer.pauses)
         atexit.register(tracer.at_exit)
         _tracer = tracer
         tracer.open_ring()
@@ -354,6 +361,8 @@ def uninstall() -> None:
         if tracer is None:
             return
         atexit.unregister(tracer.at_exit)
+        if tracer.pause_hooks is not None:
+            tracer.pause_hooks.uninstall()
         wrappers.unpatch(tracer.originals)
         tracer.close()
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatrace.tracer.dumpfile import dump_path, write_dump
+from megatrace.tracer.format import PAUSE_KIND_NAMES, W_PAUSE_KIND
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     W_DUMPS_WRITTEN,
@@ -126,7 +127,9 @@ class Watchdog:
                 return None
             self.dumps += 1
             self.writer.header[W_DUMPS_WRITTEN] = self.dumps
-        log.warning("megatrace tracer: rank %d wrote %s dump %s", self.rank, reason, path)
+        pause = PAUSE_KIND_NAMES.get(self.writer.header[W_PAUSE_KIND], "")
+        during = f" during a {pause} pause" if pause else ""
+        log.warning("megatrace tracer: rank %d wrote %s dump %s%s", self.rank, reason, path, during)
         return path
 
     def stop(self) -> None:

@@ -11,7 +11,10 @@ import pytest
 from megatrace.analyzer.flight_recorder import _op as flight_recorder_op
 from megatrace.analyzer.loader import load
 from megatrace.analyzer.nccl_log import parse_nccl_bytes
-from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, P2P_OPS, op_name
+from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, OP_PAUSE, P2P_OPS, op_name
+from megatrace.tracer.pauses import Pauses
+from megatrace.tracer.recorder import Recorder
+from megatrace.tracer.ringfile import RankIdentity, RingWriter, comm_id, read_ring, ring_path
 from tests.support import scenarios as S
 
 WRITERS = {"ring": S.write_ring_files, "nccl": S.write_nccl_logs, "fr": S.write_flight_recorder}
@@ -45,3 +48,28 @@ def test_a_flight_recorder_dump_without_a_known_op_reads_as_other(tmp_path: Path
     (tmp_path / "nccl_trace_rank_0.json").write_text(json.dumps(dump))
     table, _ = load([tmp_path])
     assert table["op"].tolist() == [OP_OTHER]
+
+
+def test_pause_records_are_named_in_the_table_and_never_read_as_calls(tmp_path: Path) -> None:
+    """A version 3 ring holds pause spans (op 13) between the collectives: the analyzer leaves them out,
+    so both ranks' collectives match and no call appears on a communicator 0 or as "other"."""
+    cid = comm_id((0, 1))
+    for rank in (0, 1):
+        identity = RankIdentity("j", rank, rank, 2, "h", 1, 1)
+        writer = RingWriter(ring_path(tmp_path / "j", rank), identity, capacity=64, comm_table_bytes=4096)
+        writer.add_communicator(cid, (0, 1))
+        recorder = Recorder(writer, rank)
+        pauses = Pauses(lambda recorder=recorder: recorder)
+        for _ in range(3):
+            if rank == 0:
+                pauses.end(pauses.begin("dataloader"))
+            recorder.end(recorder.begin(cid, OP_CODES["all_reduce"], 64, 1, -1, 0))
+            recorder.mark_step()
+        recorder.publish()
+        writer.close()
+    assert op_name(OP_PAUSE) == "pause" and OP_PAUSE not in OP_NAMES and OP_PAUSE != OP_OTHER
+    ring = read_ring(ring_path(tmp_path / "j", 0))
+    assert ring.records["op"].tolist().count(OP_PAUSE) == 3
+    table, _ = load([tmp_path / "j"])
+    assert Counter(table["op"].tolist()) == Counter({OP_CODES["all_reduce"]: 6})
+    assert {table.comms[c].key for c in set(table["comm"].tolist())} == {str(("comm", cid))}

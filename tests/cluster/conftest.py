@@ -27,8 +27,18 @@ HUNG_RANK = 5  # on node 3
 GATHER_DEADLINE_S = 20  # the bot's drilldown.agents.deadline_s: the gathering's deadline
 ANALYZER_TIMEOUT_S = 60  # drilldown.timeout_s: the analyzer's run after it
 DRILLDOWN_DEADLINE_S = GATHER_DEADLINE_S + ANALYZER_TIMEOUT_S  # the longest a drill-down may take
-# The chart as installed, scraping every second so that the tests need not wait 15 s per sample.
-CHART_VALUES = {"exporter": {"serviceMonitor": {"interval": "1s", "scrapeTimeout": "1s"}}}
+# The chart as installed, scraping both endpoints every second so that the tests need not wait 15 s
+# (or the tracer's 5 s) per sample.
+CHART_VALUES = {
+    "exporter": {
+        "serviceMonitor": {
+            "interval": "1s",
+            "scrapeTimeout": "1s",
+            "tracerInterval": "1s",
+            "tracerScrapeTimeout": "1s",
+        }
+    }
+}
 
 
 @dataclasses.dataclass

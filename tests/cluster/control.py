@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from megatrace.stack_files import compress_rules
+from megatrace.stack_files import compress_rules, evaluated_at_least_every
 from tests.alertbot.conftest import TOKEN as WEBHOOK_TOKEN
 from tests.cluster.network import inside
 from tests.cluster.operator_scrape import exporter_scrape_jobs, exporter_targets
@@ -120,11 +120,13 @@ class ControlPlane:
         return path
 
     def rule_files(self, factor: float) -> list[Path]:
-        """The chart's PrometheusRule groups as rule files, `for:` and windows divided by `factor`."""
+        """The chart's PrometheusRule groups as rule files, `for:`, windows and time literals divided by
+        `factor`, every group evaluated each second (the global interval here) like the local stack's."""
         paths = []
         for rule in of_kind(self.objects, "PrometheusRule"):
             path = self.root / f"rules-{rule['metadata']['name']}.yml"
-            path.write_text(yaml.safe_dump(compress_rules({"groups": rule["spec"]["groups"]}, factor, 5)))
+            document = compress_rules({"groups": rule["spec"]["groups"]}, factor, 5)
+            path.write_text(yaml.safe_dump(evaluated_at_least_every(document, "1s")))
             paths.append(path)
         return paths
 
@@ -161,9 +163,9 @@ class ControlPlane:
             return self.postgres.database()
 
     def alertmanager_config(self, index: int) -> Path:
-        """Member `index`'s alertmanager.yml: the chart's AlertmanagerConfig route, its webhook sent to
-        bot replica `index`, as the bot's Service would hand it to one replica (group waits shortened
-        for the test)."""
+        """Member `index`'s alertmanager.yml: the chart's AlertmanagerConfig route and its sub-routes
+        (the P0 one), its webhook sent to bot replica `index`, as the bot's Service would hand it to one
+        replica (the top route's group waits shortened for the test)."""
         spec = only(self.objects, "AlertmanagerConfig")["spec"]
         route = spec["route"]
         receiver = spec["receivers"][0]
@@ -175,6 +177,13 @@ class ControlPlane:
                 "group_wait": "1s",
                 "group_interval": "5s",
                 "repeat_interval": route["repeatInterval"],
+                "routes": [
+                    {
+                        "matchers": [f'{m["name"]}{m["matchType"]}"{m["value"]}"' for m in sub["matchers"]],
+                        "group_wait": sub["groupWait"],
+                    }
+                    for sub in route.get("routes", [])
+                ],
             },
             "receivers": [
                 {

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from megatrace.exporters.cli import build_registry
+from megatrace.exporters.cli import build_registry, own_path_registries
 from megatrace.exporters.gpu import GpuCollector
 from megatrace.exporters.guard import GuardedCollectors
 from megatrace.exporters.infiniband import InfinibandCollector
 from megatrace.exporters.server import MetricsServer
+from megatrace.exporters.tracer_files import TracerCollector
 from megatrace.exporters.xid import XidCounts
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
@@ -41,7 +42,7 @@ def serve() -> Iterator:
     started: list[tuple[MetricsServer, GuardedCollectors]] = []
 
     def start(guarded: GuardedCollectors) -> str:
-        server = MetricsServer(("127.0.0.1", 0), build_registry(guarded))
+        server = MetricsServer(("127.0.0.1", 0), build_registry(guarded), paths=own_path_registries(guarded))
         threading.Thread(target=server.serve_forever, daemon=True).start()
         started.append((server, guarded))
         return f"http://127.0.0.1:{server.server_address[1]}"
@@ -143,6 +144,33 @@ def test_concurrent_scrapes_while_xid_events_arrive(serve) -> None:
         )
         == 5
     )
+
+
+def test_the_tracer_collector_alone_on_its_own_path(serve, tmp_path: Path) -> None:
+    writer = live_rank(tmp_path, "pretrain-42", 0)
+    url = serve(
+        GuardedCollectors(
+            {"infiniband": InfinibandCollector(FIXTURES / "roce"), "tracer": TracerCollector(tmp_path)}
+        )
+    )
+    everything = requests.get(f"{url}/metrics", timeout=10)
+    tracer = requests.get(f"{url}/metrics/tracer", timeout=10)
+    assert (everything.status_code, tracer.status_code) == (200, 200)
+    assert tracer.headers["Content-Type"] == everything.headers["Content-Type"]
+    tracer_names = {name for name, _ in samples(tracer.text)}
+    all_names = {name for name, _ in samples(everything.text)}
+    assert any(name.startswith("megatrace_infiniband_") for name in all_names)
+    assert not any(name.startswith("megatrace_infiniband_") for name in tracer_names)
+    ours = {name for name in all_names if name.startswith("megatrace_tracer_")}
+    assert ours and {name for name in tracer_names if name.startswith("megatrace_tracer_")} == ours
+    rank = {"job": "pretrain-42", "rank": "0"}
+    assert value(tracer.text, "megatrace_tracer_comm_op_duration_seconds_count", **rank) == 1
+    assert value(tracer.text, "megatrace_tracer_pause_seconds", **rank, kind="eval") == 0
+    assert value(tracer.text, "megatrace_exporter_collector_up", collector="tracer") == 1
+    assert requests.get(f"{url}/metrics/nope", timeout=10).status_code == 404
+    without = serve(GuardedCollectors({"infiniband": InfinibandCollector(FIXTURES / "roce")}))
+    assert requests.get(f"{without}/metrics/tracer", timeout=10).status_code == 404
+    writer.close()
 
 
 def live_rank(trace_dir: Path, job: str, rank: int) -> RingWriter:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatrace.exporters.tracer_files import TracerCollector, process_exists
+from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     OP_CODES,
@@ -20,11 +21,13 @@ from megatrace.tracer.ringfile import (
     RankIdentity,
     RingWriter,
     comm_id,
+    read_header,
     ring_path,
 )
 from tests.exporters.exposition import names, promtool_check, render, samples, value
 from tests.support.gloo_job import start_traced_job
 from tests.support.services import require_binary
+from tests.tracer.test_ringfile import as_older_version
 
 
 def start_rank(
@@ -286,3 +289,46 @@ def test_a_ring_file_cannot_claim_another_jobs_labels(tmp_path: Path) -> None:
     finally:
         forged.close()
         victim.writer.close()
+
+
+def test_pause_series_while_a_pause_lasts_and_after(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "pretrain-42", 3, os.getpid())
+    pauses = Pauses(lambda: recorder)
+    pauses.end(pauses.begin("dataloader"))
+    checkpoint = pauses.begin("checkpoint")
+    since = read_header(recorder.writer.path).pauses["checkpoint"].since_ns
+    now = since * 1e-9 + 90
+    rank = {"job": "pretrain-42", "rank": "3", "local_rank": "3"}
+
+    text = render(TracerCollector(tmp_path, clock=lambda: now))
+    assert value(text, "megatrace_tracer_pause_seconds", **rank, kind="checkpoint") == pytest.approx(90)
+    assert value(text, "megatrace_tracer_pause_seconds", **rank, kind="eval") == 0
+    assert value(text, "megatrace_tracer_pause_seconds", **rank, kind="dataloader") == 0
+    assert value(text, "megatrace_tracer_pauses_total", **rank, kind="dataloader") == 1
+    assert value(text, "megatrace_tracer_pauses_total", **rank, kind="checkpoint") == 0
+    result = promtool_check(text)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    pauses.end(checkpoint)
+    text = render(TracerCollector(tmp_path, clock=lambda: now))
+    took = read_header(recorder.writer.path).pauses["checkpoint"].total_ns
+    assert value(text, "megatrace_tracer_pause_seconds", **rank, kind="checkpoint") == 0
+    assert value(text, "megatrace_tracer_pauses_total", **rank, kind="checkpoint") == 1
+    assert value(text, "megatrace_tracer_pause_seconds_total", **rank, kind="checkpoint") == pytest.approx(
+        took * 1e-9
+    )
+    recorder.writer.close()
+
+
+def test_a_version_2_file_exports_its_counters_without_durations_or_pauses(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "old", 1, os.getpid())
+    cid = comm_id(tuple(range(16)))
+    recorder.end(recorder.begin(cid, OP_CODES["all_reduce"], 64, 1, -1, 0))
+    recorder.publish()
+    recorder.writer.close()
+    ring = ring_path(tmp_path / "old", 1)
+    as_older_version(ring, 2).replace(ring)
+    text = render(TracerCollector(tmp_path, is_alive=lambda *_: True))
+    rank = {"job": "old", "rank": "1", "local_rank": "1"}
+    assert value(text, "megatrace_tracer_comm_ops_completed_total", **rank, comm=str(cid)) == 1
+    assert not {name for name in names(text) if "pause" in name or "op_duration" in name}

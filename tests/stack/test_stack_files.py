@@ -5,15 +5,17 @@ from __future__ import annotations
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from megatrace.config import ConfigError, load_config
-from megatrace.stack_config import StackConfig
+from megatrace.stack_config import SOURCE_ROOT, StackConfig
 from megatrace.stack_files import (
     alertmanager_config,
     compress_expr,
+    compress_seconds_literals,
     duration_seconds,
     prometheus_config,
     write_rules,
@@ -56,6 +58,58 @@ def test_compress_expr_windows_and_subqueries() -> None:
     assert compress_expr("max_over_time(x[10m:])", 10, 2) == "max_over_time(x[60s:])"
     assert compress_expr("rate(x[10s])", 10, 4) == "rate(x[4s])"
     assert compress_expr('x{le="5m"} > 3', 10, 2) == 'x{le="5m"} > 3'
+
+
+def test_compress_seconds_literals_divides_only_vector_literals() -> None:
+    expr = 'label_replace(vector(600), "kind", "checkpoint", "", "") or clamp_min(4 * x, 10) + vector(7.5)'
+    assert compress_seconds_literals(expr, 20) == (
+        'label_replace(vector(30), "kind", "checkpoint", "", "") or clamp_min(4 * x, 10) + vector(0.375)'
+    )
+
+
+def _real_rules_config(tmp_path: Path, **extra: object) -> StackConfig:
+    """The stack's configuration over the repository's own rules/."""
+    overrides = {"state_dir": str(tmp_path / "state"), "rules_dir": str(SOURCE_ROOT / "rules"), **extra}
+    return load_config(StackConfig, environ={}, overrides=overrides)
+
+
+def _training_rules(written: list[Path]) -> dict[str, dict[str, Any]]:
+    (training,) = [path for path in written if path.name == "training.yml"]
+    groups = yaml.safe_load(training.read_text())["groups"]
+    return {
+        rule.get("record") or rule["alert"]: {**rule, "group": group}
+        for group in groups
+        for rule in group["rules"]
+    }
+
+
+def test_compression_divides_the_stall_floor_and_the_pause_thresholds(tmp_path: Path) -> None:
+    """The real rules at the demo's settings: the learned threshold's 10 s floor and the pause
+    thresholds (600 s, 900 s, 300 s) shrink by the factor like `for:`; the 4 x multiplier and the
+    measured op durations do not (they are not times of the rules)."""
+    config = _real_rules_config(tmp_path, time_compression=20, scrape_interval="1s")
+    written = write_rules(config, tmp_path / "out")
+    rules = _training_rules(written)
+    assert rules["megatrace:stall_threshold_floor:seconds"]["expr"] == "vector(0.5)"
+    pauses = str(rules["megatrace:pause_stall_threshold:seconds"]["expr"])
+    for kind, seconds in (("checkpoint", 30), ("eval", 45), ("dataloader", 15)):
+        assert f'vector({seconds}), "kind", "{kind}"' in pauses
+    assert "4 * max by (job, comm)" in str(rules["megatrace:comm_learned_stall_threshold:seconds"]["expr"])
+    assert rules["MegatraceJobHang"]["for"] == rules["MegatraceRankHang"]["for"] == "1s"
+    check = subprocess.run(
+        [require_binary("promtool"), "check", "rules", *map(str, written)], capture_output=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize(("scrape_interval", "expected"), [("5s", "5s"), ("1s", "1s"), ("15s", "5s")])
+def test_training_groups_are_evaluated_at_least_as_often_as_the_stack_scrapes(
+    tmp_path: Path, scrape_interval: str, expected: str
+) -> None:
+    config = _real_rules_config(tmp_path, scrape_interval=scrape_interval)
+    rules = _training_rules(write_rules(config, tmp_path / "out"))
+    assert rules["MegatraceJobHang"]["group"]["interval"] == expected
+    assert rules["MegatraceJobHang"]["for"] == "15s"
 
 
 def _config(tmp_path: Path, **extra: object) -> StackConfig:
@@ -106,6 +160,8 @@ def test_generated_prometheus_and_alertmanager_configs_are_valid(tmp_path: Path)
     assert receiver["url"] == "http://127.0.0.1:19451/alertmanager"
     assert receiver["http_config"]["authorization"] == {"type": "Bearer", "credentials": "tok-123456"}
     assert receiver["send_resolved"] is True
+    assert am["route"]["group_wait"] == "2s"
+    assert am["route"]["routes"] == [{"matchers": ['severity="P0"'], "group_wait": "1s"}]
     am_file = tmp_path / "alertmanager.yml"
     am_file.write_text(yaml.safe_dump(am))
     amtool = subprocess.run([require_binary("amtool"), "check-config", str(am_file)], capture_output=True)

@@ -13,6 +13,7 @@ import pytest
 
 from megatrace.tracer import format as ring_format
 from megatrace.tracer import native
+from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import RankIdentity, RingWriter, comm_id, read_ring
 
@@ -28,14 +29,19 @@ def test_a_ring_file_has_the_documented_bytes(tmp_path: Path) -> None:
     writer.add_communicator(cid, (0, 2))
     recorder = Recorder(writer, rank=2)
     recorder.end(recorder.begin(cid, 8, 16, 9, 0, 1))  # send 16 bytes of int64 to rank 0, async
+    pauses = Pauses(lambda: recorder)
+    token = pauses.begin("checkpoint")
+    in_pause = struct.unpack_from("<q", writer.header.tobytes(), 31 * 8)[0]
+    pauses.end(token)
     recorder.publish()
     writer.close()
     raw = path.read_bytes()
-    words = struct.unpack_from("<128q", raw)
+    words = struct.unpack_from("<1536q", raw)
     assert raw[:8] == b"MEGATRC\x00"
     assert (words[1], words[2], words[3], words[4], words[8], words[9], words[10], words[11]) == (
-        2, 4096, 72, 4, 2, 2, 4, 77,
+        3, 12288, 72, 4, 2, 2, 4, 77,
     )  # fmt: skip
+    assert words[5] == 12288  # the communicator table follows the three-page header
     assert raw[768:769] == b"j" and raw[1024:1025] == b"h"
     assert words[32 + 8] == 1 and words[64 + 8] == 16  # calls and bytes of op 8 (send)
     record = raw[words[7] : words[7] + 72]
@@ -44,7 +50,25 @@ def test_a_ring_file_has_the_documented_bytes(tmp_path: Path) -> None:
     assert (serial, record_cid, seq, nbytes, rank, peer, op, dtype, flags) == (1, cid, 0, 16, 2, 0, 8, 9, 1)
     enqueue_ns, complete_ns = struct.unpack_from("<qq", record, 32)
     assert 0 < enqueue_ns <= complete_ns
-    assert read_ring(path).records["op"].tolist() == [ring_format.OP_CODES["send"]]
+    # version 3: the communicator's entry (byte 1536), its longest op in word 7, its histogram at byte
+    # 4352 (bucket b: duration of bit length 20 + b, clamped to 0..21) with the sum in word 22
+    took = complete_ns - enqueue_ns
+    assert words[192] == cid and words[192 + 7] == took
+    histogram = words[544 : 544 + 22]
+    bucket = min(max(took.bit_length() - 20, 0), 21)
+    assert sum(histogram) == 1 and histogram[bucket] == 1 and words[544 + 22] == took
+    # the pause: word 31 named kind 1 (checkpoint) while it lasted; its entry at byte 4096 (since,
+    # ended, total) and a record with op 13, peer = the kind, seq 0, communicator 0
+    assert in_pause == 1 and words[31] == 0
+    since, ended, total = words[512 : 512 + 3]
+    assert (since, ended) == (0, 1) and total >= 0
+    pause = raw[words[7] + 72 : words[7] + 144]
+    serial, pause_cid, pause_seq, _ = struct.unpack_from("<QQqQ", pause)
+    _, pause_peer, pause_op = struct.unpack_from("<iiB", pause, 56)
+    start_ns, end_ns = struct.unpack_from("<qq", pause, 32)
+    assert (serial, pause_cid, pause_seq, pause_peer, pause_op) == (2, 0, 0, 1, 13)
+    assert end_ns - start_ns == total and words[32 + 13] == 1
+    assert read_ring(path).records["op"].tolist() == [ring_format.OP_CODES["send"], ring_format.OP_PAUSE]
 
 
 def test_the_record_dtype_and_the_writer_struct_agree() -> None:

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from megatrace.tracer.dumpfile import DumpFormatError, dump_path, read_dump, write_dump
+from megatrace.tracer.format import HEADER_PAGE
+from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     DTYPE_CODES,
@@ -26,12 +28,21 @@ from megatrace.tracer.ringfile import (
     ring_path,
     writer_holds_lock,
 )
+from megatrace.tracer.watchdog import Watchdog
 
 IDENTITY = RankIdentity(
     job="job 7/α", rank=3, local_rank=1, world_size=8, host="node-3", pid=4242, start_time_ns=1_000
 )
 
 STALL_NS = 1_500_000_000
+
+
+def counted(*durations: int) -> tuple[int, ...]:
+    """The histogram of `durations`, bucket by bucket as docs/tracer-format.md defines them."""
+    buckets = [0] * 22
+    for duration in durations:
+        buckets[min(max(duration.bit_length() - 20, 0), 21)] += 1
+    return tuple(buckets)
 
 
 def make_writer(tmp_path: Path, capacity: int = 16) -> RingWriter:
@@ -61,12 +72,14 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     snap = read_ring(tmp_path / "job" / "rank-3.trace")
     h = snap.header
     assert (h.version, h.job, h.rank, h.local_rank, h.world_size, h.host, h.pid) == (
-        2, "job 7/α", 3, 1, 8, "node-3", 4242,
+        3, "job 7/α", 3, 1, 8, "node-3", 4242,
     )  # fmt: skip
     assert (h.capture, h.cuda_device, h.device_uuid) == ("", -1, "")
+    took = int(snap.records["complete_ns"][0] - snap.records["enqueue_ns"][0])
     assert h.comm_counters == {
         cid: CommCounters(issued=3, completed=1, inflight_op="all_gather", inflight_seq=1,
-                          inflight_enqueue_ns=int(snap.records["enqueue_ns"][1]))
+                          inflight_enqueue_ns=int(snap.records["enqueue_ns"][1]), max_duration_ns=took,
+                          histogram=counted(took), duration_sum_ns=took)
     }  # fmt: skip
     assert h.calls_by_op["all_reduce"] == 1 and h.calls_by_op["all_gather"] == 1
     assert h.bytes_by_op["all_reduce"] == 64 and h.bytes_by_op["send"] == 8
@@ -97,16 +110,49 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     rec.publish()
     h = read_header(tmp_path / "job" / "rank-3.trace")
     assert (h.oldest_inflight_op, h.oldest_inflight_enqueue_ns) == ("", 0)
-    assert h.comm_counters[cid] == CommCounters(issued=3, completed=3)
+    r = read_ring(tmp_path / "job" / "rank-3.trace").records
+    durations = [int(d) for d in r["complete_ns"] - r["enqueue_ns"]]
+    assert h.comm_counters[cid] == CommCounters(
+        issued=3, completed=3, max_duration_ns=max(durations), histogram=counted(*durations),
+        duration_sum_ns=sum(durations),
+    )  # fmt: skip
 
 
-def test_version_1_files_are_read_and_unknown_versions_refused(tmp_path: Path) -> None:
+def as_older_version(path: Path, version: int) -> Path:
+    """The file a version 1 or 2 writer would have written with the same contents as the version 3 ring
+    at `path`: the first page is the whole header (version and header size words set, word 31 and
+    counter word 7 zero), the communicator table and the records follow at once. Written next to it."""
+    raw = bytearray(path.read_bytes())
+    words = np.frombuffer(raw, dtype="<i8", count=HEADER_PAGE // 8).copy()
+    table_offset, records_offset = int(words[5]), int(words[7])
+    words[W_VERSION], words[2], words[31] = version, HEADER_PAGE, 0
+    words[5], words[7] = HEADER_PAGE, HEADER_PAGE + records_offset - table_offset
+    words[192 + 7 :: 8] = 0  # the counter entries' word 7, reserved before version 3
+    old = path.with_name(f"v{version}-{path.name}")
+    old.write_bytes(words.tobytes() + bytes(raw[table_offset:]))
+    return old
+
+
+def test_version_1_and_2_files_are_read_and_unknown_versions_refused(tmp_path: Path) -> None:
     writer = make_writer(tmp_path)
     writer.set_capture("native")
     writer.set_device(3, "GPU-5d7b")
-    assert (read_header(writer.path).capture, read_header(writer.path).device_uuid) == ("native", "GPU-5d7b")
-    writer.header[W_VERSION] = 1
-    old = read_header(writer.path)
+    cid = comm_id([0, 3])
+    writer.add_communicator(cid, (0, 3))
+    rec = Recorder(writer, rank=3)
+    rec.end(rec.begin(cid, OP_CODES["all_reduce"], 64, DTYPE_CODES["float32"], -1, 0))
+    pauses = Pauses(lambda: rec)
+    pauses.end(pauses.begin("eval"))
+    rec.publish()
+    new = read_ring(writer.path)
+    assert new.header.pauses["eval"].ended == 1 and sum(new.header.comm_counters[cid].histogram) == 1
+    v2 = read_ring(as_older_version(writer.path, 2))
+    assert v2.header.version == 2 and (v2.header.capture, v2.header.device_uuid) == ("native", "GPU-5d7b")
+    assert v2.header.comm_counters == {cid: CommCounters(issued=1, completed=1)}
+    assert (v2.header.pauses, v2.header.pause_kind) == ({}, "")
+    assert v2.records.tolist() == new.records.tolist() and v2.communicators == new.communicators
+    assert read_header(tmp_path / "job" / "v2-rank-3.trace").comm_counters == v2.header.comm_counters
+    old = read_header(as_older_version(writer.path, 1))
     assert (old.version, old.capture, old.cuda_device, old.device_uuid, old.comm_counters) == (
         1,
         "",
@@ -114,8 +160,8 @@ def test_version_1_files_are_read_and_unknown_versions_refused(tmp_path: Path) -
         "",
         {},
     )
-    writer.header[W_VERSION] = 3
-    with pytest.raises(RingFormatError, match="ring format version 3 is not supported"):
+    writer.header[W_VERSION] = 4
+    with pytest.raises(RingFormatError, match="ring format version 4 is not supported"):
         read_ring(writer.path)
 
 
@@ -192,11 +238,17 @@ def test_dump_round_trip(tmp_path: Path) -> None:
     rec = Recorder(writer, rank=3)
     rec.end(rec.begin(cid, OP_CODES["reduce_scatter"], 128, DTYPE_CODES["float16"], -1, 0))
     rec.begin(cid, OP_CODES["recv"], 8, DTYPE_CODES["int32"], 0, FLAG_ASYNC)
+    pauses = Pauses(lambda: rec)
+    pauses.end(pauses.begin("dataloader"))
+    pauses.begin("checkpoint")
+    rec.publish()
     snap = read_ring(writer.path)
+    assert snap.header.pause_kind == "checkpoint" and snap.header.pauses["checkpoint"].since_ns > 0
     path = write_dump(dump_path(tmp_path, 3, 4242, 0), snap, "stall", taken_ns=99)
     assert path.name == "rank-3.4242.0.dump"
     text = path.read_text()
     assert "op=recv" in text and "state=inflight" in text and "state=completed" in text
+    assert "# pause_kind=checkpoint" in text and "op=pause kind=dataloader" in text
     back = read_dump(path)
     assert back.header == snap.header
     assert back.communicators == snap.communicators
@@ -266,3 +318,22 @@ def test_bad_ring_files_are_named_errors(tmp_path: Path, content: bytes) -> None
 def test_missing_ring_file_is_named_error(tmp_path: Path) -> None:
     with pytest.raises(RingFormatError, match="cannot read"):
         read_ring(tmp_path / "nope.trace")
+
+
+def test_a_stall_dump_written_during_a_pause_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = make_writer(tmp_path)
+    rec = Recorder(writer, rank=3)
+    rec.begin(comm_id([0, 3]), OP_CODES["all_reduce"], 4, DTYPE_CODES["float32"], -1, 0)
+    dog = Watchdog(rec, tmp_path / "job", 3, STALL_NS)
+    pauses = Pauses(lambda: rec)
+    quiet = read_dump(dog.dump("stall"))
+    token = pauses.begin("checkpoint")
+    with caplog.at_level("WARNING", logger="megatrace.tracer"):
+        during = read_dump(dog.dump("stall"))
+    pauses.end(token)
+    assert quiet.header.pause_kind == "" and during.header.pause_kind == "checkpoint"
+    assert during.header.pauses["checkpoint"].since_ns > 0
+    assert "during a checkpoint pause" in caplog.text
+    writer.close()

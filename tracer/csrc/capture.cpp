@@ -101,6 +101,22 @@ int64_t* comm_counters(Ring* ring, int slot) {
   return ring->header + kCommCountersOffset / 8 + slot * kCommCounterWords;
 }
 
+// The duration histogram of the communicator in counter entry `slot` (format.py: HISTOGRAM_*).
+int64_t* histogram(Ring* ring, int slot) { return ring->header + kHistogramOffset / 8 + slot * kHistogramWords; }
+
+// format.histogram_bucket: the duration's bit length less kHistogramFirstBits, within the buckets.
+inline int histogram_bucket(int64_t duration_ns) {
+  int bits = duration_ns > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(duration_ns)) : 0;
+  return static_cast<int>(std::clamp<int64_t>(bits - kHistogramFirstBits, 0, kHistogramBuckets - 1));
+}
+
+// *word = max(*word, value), atomically (several threads complete ops of one communicator).
+inline void raise_to(int64_t* word, int64_t value) {
+  int64_t seen = load(word);
+  while (value > seen && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
 // Index of communicator `cid` in the header's counter table, appending it; -1 when the table is full.
 int comm_slot(Ring* ring, int64_t cid) {
   std::lock_guard<std::mutex> guard(ring->comm_mutex);
@@ -232,8 +248,16 @@ class TracedWork : public c10d::Work {
     Record* record = ring->records + (serial_ - 1) % ring->capacity;
     if (static_cast<int64_t>(__atomic_load_n(&record->serial, __ATOMIC_ACQUIRE)) == serial_) store(&record->complete_ns, now);
     store(ring->header + kWLastCompleteNs, now);
-    add(ring->header + kWWaitNsTotal, now - enqueue_ns_);
-    if (comm_slot_ >= 0) add(comm_counters(ring, comm_slot_) + kCCompleted, 1);
+    int64_t duration = now - enqueue_ns_;
+    add(ring->header + kWWaitNsTotal, duration);
+    if (comm_slot_ >= 0) {
+      int64_t* entry = comm_counters(ring, comm_slot_);
+      add(entry + kCCompleted, 1);
+      int64_t* buckets = histogram(ring, comm_slot_);
+      add(buckets + histogram_bucket(duration), 1);
+      add(buckets + kHSumNs, duration);
+      raise_to(entry + kCMaxDurationNs, duration);
+    }
   }
 
   bool done() const { return done_.load(std::memory_order_acquire); }
@@ -806,6 +830,28 @@ void attach(const std::string& path) {
   g_completions.start();
 }
 
+// A completed span that is no op (a pause, from the Python side): one record, numbered like the ops.
+void record_span(int64_t op, int32_t peer, int64_t seq, int64_t start_ns, int64_t end_ns, int64_t step) {
+  TORCH_CHECK(op > 0 && op < kMaxOps, "megatrace: record op ", op, " is outside the op table");
+  RingUse use;
+  Ring* ring = use.get();
+  if (ring == nullptr) return;
+  int64_t serial = ring->serial.fetch_add(1, std::memory_order_relaxed) + 1;
+  Record* record = ring->records + (serial - 1) % ring->capacity;
+  __atomic_store_n(&record->serial, 0, __ATOMIC_RELAXED);
+  std::atomic_thread_fence(std::memory_order_release);
+  std::memset(reinterpret_cast<char*>(record) + sizeof(record->serial), 0, sizeof(Record) - sizeof(record->serial));
+  record->seq = seq;
+  record->enqueue_ns = start_ns;
+  record->complete_ns = end_ns;
+  record->step = step;
+  record->rank = ring->rank;
+  record->peer = peer;
+  record->op = static_cast<uint8_t>(op);
+  __atomic_store_n(&record->serial, serial, __ATOMIC_RELEASE);
+  add(ring->header + kWCallsByOp + op, 1);
+}
+
 void detach() {
   g_completions.stop();
   Ring* ring = g_ring.exchange(nullptr);
@@ -829,6 +875,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attach", &attach, "Map the ring file at `path` and record into it; starts the completion thread.");
   m.def("detach", &detach, py::call_guard<py::gil_scoped_release>(),
         "Stop recording, stop the completion thread and unmap the ring.");
+  m.def("record_span", &record_span, py::arg("op"), py::arg("peer"), py::arg("seq"), py::arg("start_ns"),
+        py::arg("end_ns"), py::arg("step"), "Write a completed span that is no op (a pause) as a ring record.");
   m.def("serial", [] {
     Ring* ring = g_ring.load();
     return ring ? ring->serial.load() : int64_t{0};

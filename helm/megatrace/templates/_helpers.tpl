@@ -71,3 +71,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "http://%s.%s.svc:%v/alertmanager" (include "megatrace.alertbot.fullname" .) .Release.Namespace .Values.alertbot.service.port }}
 {{- end }}
 
+
+{{/*
+Relabelings of an endpoint of the exporter's ServiceMonitor (dict "sm" the serviceMonitor values,
+"endpoint" "" or a name). First `agent_address`, the address the alert bot dials the agent at: the
+pod's IP and port as discovered (the node name in `instance` need not resolve, and the pod has no
+hostPort); always set, so that overriding `relabelings` cannot leave the bot without a way to reach
+the agents. Then, for an endpoint with a name, `endpoint` = that name: the operator labels both
+endpoints with their port's name, and two scrapes of one pod would otherwise write the same `up`
+series. Then the values' relabelings.
+*/}}
+{{- define "megatrace.exporter.relabelings" -}}
+- sourceLabels: [__address__]
+  targetLabel: agent_address
+  action: replace
+{{- if .endpoint }}
+- targetLabel: endpoint
+  replacement: {{ .endpoint }}
+  action: replace
+{{- end }}
+{{- with .sm.relabelings }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
