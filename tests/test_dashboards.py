@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from megatrace.exporters.settings import load as load_agent_config
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
 from tests.support.fake_pynvml import FakeGpu, FakeNvml
-from tests.support.services import free_port, prometheus_argv, require_binary, running
+from tests.support.services import free_port, prometheus_argv, require_binary, running, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "grafana" / "dashboards").glob("*.json"))
@@ -224,14 +223,10 @@ def write_ranks(trace_dir: Path, job: str, world_size: int) -> list[RingWriter]:
 def node_agent(config: ExporterConfig, nvml: FakeNvml | None = None) -> Iterator[str]:
     """The real node agent (collectors, guard, HTTP server) serving on a free port in this process."""
     guarded = build_collectors(config, nvml=nvml)
-    server = MetricsServer(("127.0.0.1", 0), build_registry(guarded))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"127.0.0.1:{server.server_address[1]}"
+        with serving(MetricsServer(("127.0.0.1", 0), build_registry(guarded))) as address:
+            yield address
     finally:
-        server.shutdown()
-        server.server_close()
         guarded.close()
 
 

@@ -11,7 +11,6 @@ import http.server
 import json
 import re
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from megatrace.config import ConfigError
 from tests.alertbot.conftest import Bot, alert, config, webhook
 from tests.support.blackhole import blackholed
 from tests.support.gloo_job import run_traced_job
-from tests.support.services import free_port, prometheus_argv, running
+from tests.support.services import free_port, prometheus_argv, running, serving
 
 JOB = "llm-9"
 TOKEN = "agent-token-for-tests"
@@ -84,14 +83,8 @@ def exposition(text: str) -> Iterator[str]:
         def log_message(self, format: str, *args: object) -> None:
             return
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as address:
+        yield address
 
 
 @contextlib.contextmanager

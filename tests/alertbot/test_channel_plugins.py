@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from megatrace.config import ConfigError
 from megatrace.logsetup import redact
 from tests.alertbot.conftest import TOKEN, Bot, alert, webhook
 from tests.alertbot.webhook_channel import WebhookChannel, WebhookSettings
+from tests.support.services import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "hook-secret-4f1c"
@@ -45,14 +46,13 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @pytest.fixture
-def receiver() -> Receiver:
+def receiver() -> Iterator[Receiver]:
     found = Receiver()
-    yield found
-    found.server.shutdown()
+    with serving(found.server):
+        yield found
 
 
 @pytest.fixture

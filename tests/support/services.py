@@ -9,7 +9,9 @@ import contextlib
 import os
 import shutil
 import socket
+import socketserver
 import subprocess
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -81,6 +83,19 @@ def running(
                 proc.kill()
                 proc.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def serving(server: socketserver.BaseServer) -> Iterator[str]:
+    """`server` answering in a thread for the duration of the block; yields its ``host:port``."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"{host}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def prometheus_argv(config: Path, data_dir: Path, port: int) -> list[str]:
