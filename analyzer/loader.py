@@ -194,14 +194,18 @@ def _table(
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
     seen_until: dict[int, int] = {}  # the latest any file shows of a rank (a stall dump after the ring)
+    stacks: dict[int, tuple[int, tuple]] = {}  # the newest Python stacks of a rank (its stall dumps)
     for name, items in parsed.items():
         for calls in READERS[name].resolve(items, layout):
             _keep_best(by_rank, name, calls, report)
             seen_until[calls.rank] = max(seen_until.get(calls.rank, 0), calls.info.observed_until_ns)
+            if calls.info.stacks and calls.info.observed_until_ns >= stacks.get(calls.rank, (-1, ()))[0]:
+                stacks[calls.rank] = (calls.info.observed_until_ns, calls.info.stacks)
     builder = TableBuilder()
     for rank in sorted(by_rank):
         calls = by_rank[rank][3]
         calls.info.observed_until_ns = seen_until[rank]
+        calls.info.stacks_ns, calls.info.stacks = stacks.get(rank, (0, ()))
         builder.add(calls, calls.info.source)
     table = builder.build()
     # what the per-rank arrays left in glibc's heap (the small ones) goes back to the system too

@@ -47,6 +47,13 @@ class RankInfo:
     observed_until_ns: int = 0
     # observed_until_ns is the time of reading: the writer is alive, or cannot be told dead
     observed_live: bool = False
+    # Our tracer's files only: the host samples of the ring header (`megatrace.tracer.ringfile.HostSample`,
+    # oldest first), the span records (pauses, GC; RECORD_DTYPE rows) and, from a stall dump, every
+    # thread's Python stack (`megatrace.tracer.stacks.ThreadStack`). What `analyzer.cause` compares.
+    host_samples: tuple = ()
+    spans: np.ndarray | None = None
+    stacks: tuple = ()
+    stacks_ns: int = 0  # when the stacks were taken (the dump's time)
 
 
 @dataclass

@@ -88,6 +88,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     that are no op (pause spans) are left out: they are never matched as calls."""
     rec = snapshot.records
     spans = np.isin(rec["op"], list(SPAN_NAMES))
+    span_rows = rec[spans]
     if spans.any():
         rec = rec[~spans]
     header = snapshot.header
@@ -135,6 +136,9 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
         has_completion=True,
         finished=header.finished,
         observed_until_ns=snapshot.taken_ns,
+        host_samples=header.host_samples,
+        spans=span_rows,
+        stacks=snapshot.stacks,
     )
     return RankCalls(rank, cols, comms, info)
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatrace.alertbot.drilldown import DrilldownRunner, prometheus_hints, resolve_trace_dir
+from megatrace.alertbot.drilldown import DrilldownRunner, resolve_trace_dir
+from megatrace.alertbot.node_findings import prometheus_hints
 from megatrace.alertbot.service import Service
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.blackhole import blackholed
