@@ -160,7 +160,7 @@ def _keyed(path: Path) -> dict[str, int]:
 
 
 def pressure_some_total_ns(path: Path) -> int:
-    """The "some" line's total stall time of a PSI file (``some avg10=.. avg60=.. avg300=.. total=US``), ns."""
+    """The "some" total of a PSI file, ns (``some avg10=.. avg60=.. avg300=.. total=US``)."""
     for line in path.read_text().splitlines():
         fields = line.split()
         if fields and fields[0] == "some":

@@ -1,7 +1,8 @@
 """Tracer and fault-injection settings, read from the environment and validated.
 
-``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,HOST_SAMPLE_MS,GC_SPAN_MS}`` configure the tracer; the Megatrace NCCL
-names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the former are unset.
+``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,HOST_SAMPLE_MS,GC_SPAN_MS}`` configure the
+tracer; the Megatrace NCCL names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the
+former are unset.
 ``MEGATRACE_FAULT_*`` inject a hang or a slow rank. Bad values raise `ConfigError` naming the variable.
 """
 
