@@ -75,6 +75,7 @@ from megatrace.tracer.format import (
     RECORD_DTYPE,
     RECORD_FIELDS,
     RECORD_SIZE,
+    SPAN_NAMES,
     TEXT_FIELD_BYTES,
     W_BYTES_BY_OP,
     W_CALLS_BY_OP,
@@ -650,6 +651,11 @@ def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
         comms[int(cid)] = tuple(members.tolist())
         pos += size
     return comms
+
+
+def ops_only(records: np.ndarray) -> np.ndarray:
+    """The records that are ops, without the span records (pauses, garbage collections)."""
+    return records[~np.isin(records["op"], list(SPAN_NAMES))]
 
 
 def read_ring(path: str | Path) -> RingSnapshot:
