@@ -249,9 +249,11 @@ class Tracer:
         self.comms.clear()
 
     def at_exit(self) -> None:
-        """Flag a clean exit (no uncaught exception), write the exit dump, stop the watchdog, and stop
-        the native capture before the interpreter is torn down: a Work its completion thread released
-        during finalization would take the GIL from a dying interpreter, which aborts the process."""
+        """Flag a clean exit (no uncaught exception), stop counting garbage collections, write the exit
+        dump, stop the watchdog, and stop the native capture before the interpreter is torn down: a Work
+        its completion thread released during finalization would take the GIL from a dying interpreter,
+        which aborts the process."""
+        self.gc_spans.uninstall()  # the interpreter's teardown collections are no training time
         recorder = self.recorder
         if recorder is not None:
             if getattr(sys, "last_value", None) is None:
