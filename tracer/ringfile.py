@@ -1,6 +1,6 @@
 """The tracer's per-rank ring file: the writer used inside a rank, and `read_ring`.
 
-One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 12 KiB header (identity and
+One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 28 KiB header (identity and
 live counters), a communicator table, then a ring of fixed-size records. The layout is defined in
 `megatrace.tracer.format` and described in ``docs/tracer-format.md``. This module imports no torch:
 the exporter and the analyzer read files with it while ranks write them.
@@ -620,7 +620,7 @@ def _check_header(path: Path, raw: bytes) -> np.ndarray:
 
 
 def read_header(path: str | Path) -> RingHeader:
-    """Only the header of a ring file (cheap: one 12 KiB read), e.g. for the exporter's counters."""
+    """Only the header of a ring file (cheap: one 28 KiB read), e.g. for the exporter's counters."""
     path = Path(path)
     try:
         with open(open_regular(path), "rb") as handle:
