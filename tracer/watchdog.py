@@ -3,6 +3,8 @@
 A stall is an op in flight for longer than the sensitivity, or no op issued or completed for longer
 than it. One dump per stall episode; also one on SIGUSR1 (any previous handler still runs) and one
 at exit. The dump is built from a copy of the ring in this thread, never in the training thread.
+The same thread samples the rank's host signals into the ring header (`host_signals.HostSampler`)
+every sampling interval and before each dump.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.format import PAUSE_KIND_NAMES, W_PAUSE_KIND
+from megatrace.tracer.host_signals import HostSampler
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     W_DUMPS_WRITTEN,
@@ -46,8 +49,12 @@ def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
 class Watchdog:
     """Watches one rank's ring header and writes dumps into the job folder."""
 
-    def __init__(self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int) -> None:
+    def __init__(
+        self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int, sampler: HostSampler | None = None
+    ) -> None:
         self.recorder = recorder
+        self.sampler = sampler
+        self._next_sample_ns = 0
         self.writer = recorder.writer
         self.job_dir = job_dir
         self.rank = rank
@@ -93,9 +100,18 @@ class Watchdog:
         self._previous_sigusr1 = previous if previous is not None else signal.SIG_DFL
         self._hooked = True
 
+    def _sample_host(self, now_ns: int, force: bool = False) -> None:
+        """Sample the host signals when the interval is up (or `force`d: before a dump)."""
+        sampler = self.sampler
+        if sampler is None or not (force or now_ns >= self._next_sample_ns):
+            return
+        sampler.sample()
+        self._next_sample_ns = now_ns + sampler.interval_ns
+
     def _run(self) -> None:
         in_stall = False
         while not self._stop.is_set():
+            self._sample_host(time.time_ns())
             ready, _, _ = select.select([self._wake_r], [], [], self.interval)
             if self._stop.is_set():
                 break
@@ -119,6 +135,7 @@ class Watchdog:
         with self._dump_lock:
             try:
                 self.recorder.publish()
+                self._sample_host(time.time_ns(), force=True)
                 snapshot = read_ring(self.writer.path)
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)

@@ -12,13 +12,15 @@ import numpy as np
 import pytest
 
 from megatrace.tracer.dumpfile import read_dump
-from megatrace.tracer.format import OP_PAUSE
+from megatrace.tracer.format import OP_GC, SPAN_NAMES
+from megatrace.tracer.host_signals import resolve_cgroup
 from megatrace.tracer.ringfile import (
     FLAG_ASYNC,
     FLAG_PROCESS_GROUP,
     OP_NAMES,
     RingSnapshot,
     comm_id,
+    ops_only,
     read_header,
     read_ring,
 )
@@ -56,8 +58,8 @@ def assert_collectives_line_up(snaps: dict[int, RingSnapshot], cut_short: bool =
     seen: dict[tuple[int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
     for rank, snap in snaps.items():
         for row in snap.records:
-            if int(row["op"]) == OP_PAUSE or OP_NAMES[int(row["op"])] in ("send", "recv"):
-                continue  # a pause span (the job's data loader) or a point-to-point op
+            if int(row["op"]) in SPAN_NAMES or OP_NAMES[int(row["op"])] in ("send", "recv"):
+                continue  # a pause span (the job's data loader), a GC span or a point-to-point op
             key = (int(row["comm_id"]), int(row["seq"]))
             assert rank not in seen[key], f"rank {rank} recorded {key} twice"
             seen[key][rank] = (int(row["op"]), int(row["nbytes"]))
@@ -105,7 +107,7 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
     snaps = rings(tmp_path / "ops")
     for rank, snap in snaps.items():
         expected = expected_records(rank)
-        r = snap.records
+        r = ops_only(snap.records)
         assert [OP_NAMES[int(code)] for code in r["op"]] == [entry[0] for entry in expected]
         for row, (_, members, nbytes, peer, is_async) in zip(r, expected, strict=True):
             assert snap.communicators[int(row["comm_id"])] == members
@@ -214,3 +216,28 @@ def test_injected_slow_rank_arrives_last_in_the_recorded_times(tmp_path: Path) -
     assert last_is_slow >= 0.8 * len(with_slow), (last_is_slow, len(with_slow))
     waits = {rank: snap.header.wait_ns_total for rank, snap in snaps.items()}
     assert waits[1] < min(waits[0], waits[2], waits[3])
+
+
+def test_a_real_job_writes_host_samples_and_gc_spans_without_code_change(tmp_path: Path) -> None:
+    """gc_job.py builds Python objects as a data pipeline does and knows nothing of the tracer; under
+    ``megatrace trace`` each rank counts its garbage collections, writes the long ones as GC spans, and
+    samples its own process and cgroup into its ring and its exit dump."""
+    trace_under_torchrun(tmp_path, "gc", HERE / "gc_job.py", 2)
+    cgroup = resolve_cgroup()
+    for rank in range(2):
+        snap = read_ring(tmp_path / "gc" / f"rank-{rank}.trace")
+        h = snap.header
+        spans = snap.records[snap.records["op"] == OP_GC]
+        assert h.version == 4 and h.gc_collections >= len(spans) > 0 and h.gc_ns > 0
+        took = spans["complete_ns"] - spans["enqueue_ns"]
+        assert (took >= 1_000_000).all() and int(took.sum()) <= h.gc_ns
+        assert set(spans["peer"].tolist()) <= {0, 1, 2} and (spans["comm_id"] == 0).all()
+        assert list(spans["seq"]) == sorted(set(spans["seq"].tolist()))  # each collection once, in order
+        assert h.host_samples and h.main_thread_id != 0 and h.cgroup_version == cgroup.version
+        first, last = h.host_samples[0], h.host_samples[-1]
+        assert last.cpu_ns >= first.cpu_ns > 0 and last.time_ns >= first.time_ns
+        assert last.gc_collections <= h.gc_collections and last.nonvoluntary_switches >= 0
+        (exit_dump,) = (tmp_path / "gc").glob(f"rank-{rank}.*.dump")
+        dumped = read_dump(exit_dump).header
+        assert dumped.host_samples == h.host_samples and dumped.gc_collections == h.gc_collections
+        assert assert_collectives_line_up({rank: snap}, cut_short=True) > 0
