@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatrace.tracer.stacks import ThreadStack
+
 COLUMNS: dict[str, str] = {
     "rank": "i4",
     "comm": "i4",
@@ -47,6 +49,8 @@ class RankInfo:
     observed_until_ns: int = 0
     # observed_until_ns is the time of reading: the writer is alive, or cannot be told dead
     observed_live: bool = False
+    # every thread's Python stack from the rank's newest stall/signal dump or stacks file (tracer only)
+    stacks: tuple[ThreadStack, ...] = ()
 
 
 @dataclass
@@ -102,6 +106,17 @@ class RankCalls:
     columns: dict[str, np.ndarray]
     comms: list[tuple[object, tuple[int, ...], bool]]
     info: RankInfo
+
+
+@dataclass
+class RankStacks:
+    """A rank's thread stacks from a file that holds no calls (the tracer's stacks file), taken at
+    `taken_ns`; the loader gives them to the rank's `RankInfo` when no newer stacks are found."""
+
+    rank: int
+    job: str
+    taken_ns: int
+    stacks: tuple[ThreadStack, ...]
 
 
 class TableBuilder:

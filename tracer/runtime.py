@@ -169,7 +169,7 @@ class Tracer:
             recorder = NativeRecorder(writer, rank, self.native) if self.native else Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
-            self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns)
+            self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns, self.settings.stacks_fallback)
             self.watchdog.start_thread()
             self._register_step_hook()
             self.recorder = recorder

@@ -1,7 +1,8 @@
 """Tracer and fault-injection settings, read from the environment and validated.
 
-``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE}`` configure the tracer; the Megatrace NCCL
-names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the former are unset.
+``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,STACKS_FALLBACK}`` configure the tracer;
+the Megatrace NCCL names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the former
+are unset.
 ``MEGATRACE_FAULT_*`` inject a hang or a slow rank. Bad values raise `ConfigError` naming the variable.
 """
 
@@ -43,6 +44,8 @@ class TraceSettings:
     capacity: Annotated[int, Field(ge=16, le=1 << 26)] = DEFAULT_CAPACITY
     # Capture at the process-group layer (native) where it loads; False: the Python wrappers only.
     native: bool = True
+    # Keep faulthandler's timer armed for stacks of a rank stuck holding the GIL (`stack_fallback`).
+    stacks_fallback: bool = True
 
 
 @dataclasses.dataclass

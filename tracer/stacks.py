@@ -144,20 +144,17 @@ def _unfield(raw: str) -> str:
     return "" if raw == "-" else unquote(raw)
 
 
-def stack_lines(
-    stacks: tuple[ThreadStack, ...], in_flight: str, in_flight_since_ns: int, source: str
-) -> list[str]:
+def stack_lines(stacks: tuple[ThreadStack, ...], in_flight: str, in_flight_since_ns: int) -> list[str]:
     """The dump lines of `stacks`: a ``# stacks`` line (how many threads, which one is main, the op in
-    flight if any, how they were taken), then each thread's ``# thread`` line and its ``# frame``
-    lines, innermost first. No lines for no stacks."""
+    flight if any), then each thread's ``# thread`` line and its ``# frame`` lines, innermost first.
+    No lines for no stacks."""
     if not stacks:
         return []
     main = main_stack(stacks)
     lines = [
         STACKS_LINE
         + f"threads={len(stacks)} main=0x{main.thread_id if main else 0:016x} "
-        + f"in_flight={_field(in_flight)} in_flight_since_ns={in_flight_since_ns if in_flight else 0} "
-        + f"source={_field(source)}"
+        + f"in_flight={_field(in_flight)} in_flight_since_ns={in_flight_since_ns if in_flight else 0}"
     ]
     for stack in stacks:
         lines.append(
@@ -201,7 +198,6 @@ class StackSection:
 
     in_flight: str = ""
     in_flight_since_ns: int = 0
-    source: str = ""
     _threads: list[tuple[ThreadStack, list[Frame]]] = dataclasses.field(default_factory=list)
 
     @staticmethod
@@ -217,7 +213,6 @@ class StackSection:
             self.in_flight_since_ns = (
                 _number(pairs, "in_flight_since_ns") if "in_flight_since_ns" in pairs else 0
             )
-            self.source = _unfield(pairs.get("source", "-"))
         elif line.startswith(THREAD_LINE):
             pairs = _pairs(line[len(THREAD_LINE) :])
             stack = ThreadStack(

@@ -2,12 +2,16 @@
 
 A stall is an op in flight for longer than the sensitivity, or no op issued or completed for longer
 than it. One dump per stall episode; also one on SIGUSR1 (any previous handler still runs) and one
-at exit. The dump is built from a copy of the ring in this thread, never in the training thread.
+at exit. The dump is built from a copy of the ring in this thread, never in the training thread;
+stall and signal dumps carry every thread's Python stack (`megatrace.tracer.stacks`). The loop also
+keeps faulthandler's timer armed (`megatrace.tracer.stack_fallback`) for a training thread that
+holds the GIL so long that this thread cannot run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -28,8 +32,12 @@ from megatrace.tracer.ringfile import (
     W_OLDEST_INFLIGHT_ENQUEUE_NS,
     read_ring,
 )
+from megatrace.tracer.stack_fallback import StackFallback
+from megatrace.tracer.stacks import capture_stacks
 
 log = logging.getLogger("megatrace.tracer")
+# dumps that carry every thread's stack (the exit dump does not: its main thread is in atexit)
+STACK_REASONS = frozenset({"stall", "signal"})
 
 
 def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
@@ -46,7 +54,9 @@ def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
 class Watchdog:
     """Watches one rank's ring header and writes dumps into the job folder."""
 
-    def __init__(self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int) -> None:
+    def __init__(
+        self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int, stacks_fallback: bool = True
+    ) -> None:
         self.recorder = recorder
         self.writer = recorder.writer
         self.job_dir = job_dir
@@ -63,11 +73,16 @@ class Watchdog:
         self._hooked = False
         self._previous_sigusr1: object = None
         self._restore_wakeup_fd = False
+        self.fallback: StackFallback | None = None
+        if stacks_fallback:
+            self.fallback = StackFallback(job_dir, rank, stall_ns)
 
     def start_thread(self) -> None:
-        """Start watching; hook SIGUSR1 when called from the main thread."""
+        """Start watching; hook SIGUSR1 when called from the main thread; arm the stack fallback."""
         if threading.current_thread() is threading.main_thread():
             self._hook_sigusr1()
+        if self.fallback is not None and not self.fallback.start():
+            self.fallback = None
         self._thread.start()
 
     def _hook_sigusr1(self) -> None:
@@ -102,6 +117,8 @@ class Watchdog:
             if ready and self._signalled():
                 self.dump("signal")
             self.recorder.publish()
+            if self.fallback is not None:
+                self.fallback.tick()
             stalled = is_stalled(self.writer.header, time.time_ns(), self.stall_ns)
             if stalled and not in_stall:
                 self.dump("stall")
@@ -120,6 +137,8 @@ class Watchdog:
             try:
                 self.recorder.publish()
                 snapshot = read_ring(self.writer.path)
+                if reason in STACK_REASONS:
+                    snapshot = dataclasses.replace(snapshot, stacks=capture_stacks())
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)
             except (OSError, ValueError) as exc:
@@ -144,3 +163,5 @@ class Watchdog:
             os.write(self._wake_w, b"\0")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
+        if self.fallback is not None:
+            self.fallback.stop()
