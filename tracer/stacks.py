@@ -2,7 +2,8 @@
 faulthandler's text, and written to / read from a dump's ``# stacks`` lines.
 
 `capture_stacks` walks `sys._current_frames()` from the watchdog thread and hands the GIL back
-between threads, so the training thread waits at most one thread's walk (faulthandler's
+between threads, with garbage collection paused, so the training thread waits at most about half a
+millisecond at a time (faulthandler's
 `dump_traceback` holds the GIL for its whole dump: ~9 ms at 64 threads x 50 frames, see
 ``bench/bench_stacks.py``). When the training thread holds the GIL in C, no Python thread runs at
 all: then faulthandler's own C thread writes the stacks (`megatrace.tracer.stack_fallback`), in the
@@ -12,11 +13,14 @@ innermost kept), 500 characters a string.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import re
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from urllib.parse import quote, unquote
 
 MAX_FRAMES = 100
@@ -61,22 +65,46 @@ def _walk(frame: object) -> tuple[tuple[Frame, ...], bool]:
     return tuple(frames), frame is not None
 
 
+class _GilBreaks:
+    """Hands the GIL back (to the training thread, if it waits) once the caller has held it _HOLD_S."""
+
+    def __init__(self) -> None:
+        self.since = time.perf_counter()
+
+    def check(self) -> None:
+        if time.perf_counter() - self.since > _HOLD_S:
+            time.sleep(0)
+            self.since = time.perf_counter()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside the block (it is turned back on after, if it was on): the
+    thousands of objects a capture makes would otherwise start collections in the capturing thread,
+    each holding the GIL for milliseconds, in one piece."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def capture_stacks() -> tuple[ThreadStack, ...]:
     """Every thread's stack, the main thread first (walked before anything else, so it is coherent);
     the GIL is handed back between threads whenever the walk has held it for about half a
-    millisecond, which bounds how long the training thread waits on it."""
+    millisecond, which bounds how long the training thread waits on it. Call it inside `gc_paused`."""
     frames_by_thread = sys._current_frames()
     names = thread_names()
     main_id = threading.main_thread().ident
     order = sorted(frames_by_thread, key=lambda ident: ident != main_id)
     stacks = []
-    held_since = time.perf_counter()
+    breaks = _GilBreaks()
     for ident in order:
         frames, truncated = _walk(frames_by_thread.pop(ident))
         stacks.append(ThreadStack(ident, names.get(ident, ""), ident == main_id, frames, truncated))
-        if time.perf_counter() - held_since > _HOLD_S:
-            time.sleep(0)
-            held_since = time.perf_counter()
+        breaks.check()
     return tuple(stacks)
 
 
@@ -156,7 +184,9 @@ def stack_lines(stacks: tuple[ThreadStack, ...], in_flight: str, in_flight_since
         + f"threads={len(stacks)} main=0x{main.thread_id if main else 0:016x} "
         + f"in_flight={_field(in_flight)} in_flight_since_ns={in_flight_since_ns if in_flight else 0}"
     ]
+    breaks = _GilBreaks()
     for stack in stacks:
+        breaks.check()
         lines.append(
             THREAD_LINE + f"id=0x{stack.thread_id:016x} name={_field(stack.name)} main={int(stack.main)} "
             f"frames={len(stack.frames)} truncated={int(stack.truncated)}"

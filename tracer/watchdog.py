@@ -33,7 +33,7 @@ from megatrace.tracer.ringfile import (
     read_ring,
 )
 from megatrace.tracer.stack_fallback import StackFallback
-from megatrace.tracer.stacks import capture_stacks
+from megatrace.tracer.stacks import capture_stacks, gc_paused
 
 log = logging.getLogger("megatrace.tracer")
 # dumps that carry every thread's stack (the exit dump does not: its main thread is in atexit)
@@ -133,7 +133,7 @@ class Watchdog:
 
     def dump(self, reason: str) -> Path | None:
         """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
-        with self._dump_lock:
+        with self._dump_lock, gc_paused():
             try:
                 self.recorder.publish()
                 snapshot = read_ring(self.writer.path)
@@ -141,6 +141,7 @@ class Watchdog:
                     snapshot = dataclasses.replace(snapshot, stacks=capture_stacks())
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)
+                del snapshot  # its stacks go while collection is still paused
             except (OSError, ValueError) as exc:
                 log.warning("megatrace tracer: could not write %s dump: %s", reason, exc)
                 return None
