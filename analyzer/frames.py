@@ -25,6 +25,9 @@ _TRACER_MODULES = frozenset(
      "watchdog", "wrappers"}
 )  # fmt: skip
 _TRACER_DIR = Path(megatrace.tracer.__file__).resolve().parent
+# functions that only wrap the call a rank made (torch's logging and no-grad decorators): the call
+# named is the first one below them
+_DECORATOR_FUNCTIONS = frozenset({"wrapper", "inner", "_fn", "decorate_context", "wrapped"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +74,9 @@ def qualified(frame: Frame) -> str:
 def where_stuck(stacks: tuple[ThreadStack, ...], in_flight: str = "") -> StuckAt | None:
     """Where the main thread in `stacks` is stuck; None without a main thread or without any frame
     of its own. The text names the innermost own frame's function and the call it is stuck in (the
-    outermost torch / standard-library frame it called), or else its caller, with the innermost own
-    frame's file and line; `in_flight` (the collective in flight on the rank, if any) is added."""
+    outermost torch / standard-library frame it called, decorators passed over), or else its caller,
+    with the innermost own frame's file and line; `in_flight` (the collective in flight on the rank,
+    if any) is added."""
     main = main_stack(stacks)
     if main is None:
         return None
@@ -81,7 +85,11 @@ def where_stuck(stacks: tuple[ThreadStack, ...], in_flight: str = "") -> StuckAt
         return None
     frames = tuple(main.frames[index] for index in own[:MAX_STUCK_FRAMES])
     inner = frames[0]
-    called = [frame for frame in main.frames[: own[0]] if not _is_tracer(frame)]
+    called = [
+        frame
+        for frame in main.frames[: own[0]]
+        if not _is_tracer(frame) and frame.function not in _DECORATOR_FUNCTIONS
+    ]
     if called:
         chain = f"`{inner.function}` → `{qualified(called[-1])}`"
     elif len(frames) > 1:
