@@ -30,6 +30,7 @@ from megatrace.tracer.ringfile import (
     read_ring,
     ring_path,
 )
+from megatrace.tracer.settings import trace_settings
 from megatrace.tracer.stack_fallback import read_stacks_file
 from megatrace.tracer.stacks import MAX_FRAMES, capture_stacks, main_stack, parse_faulthandler, thread_names
 from megatrace.tracer.watchdog import Watchdog
@@ -37,6 +38,7 @@ from tests.support.stuck_rank import HELPER_THREAD
 
 REPO = Path(__file__).resolve().parents[2]
 STALL_NS = 500_000_000
+FALLBACK_OFF = {"MEGATRACE_TRACE_ENABLE": "1", "MEGATRACE_TRACE_STACKS_FALLBACK": "0"}
 
 
 def make_recorder(job_dir: Path) -> Recorder:
@@ -224,3 +226,18 @@ def test_stacks_file_errors_name_the_file(tmp_path: Path) -> None:
     path.write_text("# megatrace-stacks version=1 rank=x\n")
     with pytest.raises(ValueError, match=r"rank-0\.1\.stacks:1: needs rank="):
         read_stacks_file(path)
+
+
+def test_the_fallback_cleans_up_after_itself_and_can_be_turned_off(tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    rec = make_recorder(job_dir)
+    armed = Watchdog(rec, job_dir, 3, STALL_NS)
+    armed.start_thread()
+    assert [path.name for path in job_dir.glob("*.stacks")] == [f"rank-3.{os.getpid()}.stacks"]
+    armed.stop()
+    assert list(job_dir.glob("*.stacks")) == []
+    off = Watchdog(rec, job_dir, 3, STALL_NS, stacks_fallback=trace_settings(FALLBACK_OFF).stacks_fallback)
+    off.start_thread()
+    assert off.fallback is None and list(job_dir.glob("*.stacks")) == []
+    off.stop()
+    rec.writer.close()
