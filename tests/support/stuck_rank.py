@@ -48,7 +48,7 @@ def take_lock(path: str) -> None:
 def main(job_dir: Path, stall_ms: int, mode: str, args: list[str]) -> None:
     if mode == "fifo":
         import torch  # noqa: F401 - before the first op: importing it takes long enough to be a stall
-    identity = RankIdentity("stuck", 0, 0, 1, "localhost", os.getpid(), time.time_ns())
+    identity = RankIdentity(job_dir.name, 0, 0, 1, "localhost", os.getpid(), time.time_ns())
     stall_ns = stall_ms * 1_000_000
     writer = RingWriter(ring_path(job_dir, 0), identity, 64, stall_threshold_ns=stall_ns)
     recorder = Recorder(writer, rank=0)
