@@ -1,8 +1,9 @@
 """Stall dumps: a rank's ring snapshot written out as greppable text, and read back.
 
-A dump is ``<trace_dir>/<job>/rank-<N>.<pid>.<k>.dump``: ``#`` lines carry the header and the
-communicator table, then one ``key=value`` line per op, oldest first (format in
-``docs/tracer-format.md``). `read_dump` returns the same `RingSnapshot` as `read_ring`.
+A dump is ``<trace_dir>/<job>/rank-<N>.<pid>.<k>.dump``: ``#`` lines carry the header, the
+communicator table and (stall and signal dumps) every thread's Python stack, then one ``key=value``
+line per op, oldest first (format in ``docs/tracer-format.md``). `read_dump` returns the same
+`RingSnapshot` as `read_ring`, with the stacks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatrace.tracer.ringfile import (
     RingHeader,
     RingSnapshot,
 )
+from megatrace.tracer.stacks import StackLinesError, StackSection, stack_lines
 
 DUMP_MAGIC = "# megatrace-dump"
 DUMP_SUFFIX = ".dump"
@@ -144,6 +146,7 @@ def write_dump(
         "# host " + _pairs([(key, getattr(sample, key)) for key in _HOST_SAMPLE_KEYS])
         for sample in h.host_samples
     )
+    lines.extend(stack_lines(snapshot.stacks, h.oldest_inflight_op, h.oldest_inflight_enqueue_ns))
     records = snapshot.records[-max_records:] if max_records > 0 else snapshot.records[:0]
     lines.extend(format_record(row) for row in records)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -232,6 +235,7 @@ def read_dump(path: str | Path) -> RingSnapshot:
     counters: dict[int, CommCounters] = {}
     pauses: dict[str, PauseState] = {}
     host: dict = {"host_samples": [], "host_notes": []}
+    stacks = StackSection()
     rows = []
     for number, line in enumerate(lines[1:], start=2):
         where = f"{path}:{number}"
@@ -272,6 +276,11 @@ def read_dump(path: str | Path) -> RingSnapshot:
         elif line.startswith("# host "):
             pairs = _parse_pairs(line[len("# host ") :], where)
             host["host_samples"].append(HostSample(*(_int(pairs, key, where) for key in _HOST_SAMPLE_KEYS)))
+        elif StackSection.holds(line):
+            try:
+                stacks.add(line)
+            except StackLinesError as exc:
+                raise DumpFormatError(f"{where}: {exc}") from None
         elif line.startswith("#"):
             meta.update(_parse_pairs(line[1:], where))
         else:
@@ -308,4 +317,5 @@ def read_dump(path: str | Path) -> RingSnapshot:
         communicators=comms,
         taken_ns=_int(meta, "taken_ns", where) if "taken_ns" in meta else 0,
         reason=_text(meta.get("reason", "-")),
+        stacks=stacks.stacks(),
     )

@@ -120,6 +120,7 @@ from megatrace.tracer.format import FLAG_ASYNC as FLAG_ASYNC
 from megatrace.tracer.format import FLAG_PROCESS_GROUP as FLAG_PROCESS_GROUP
 from megatrace.tracer.format import OP_CODES as OP_CODES
 from megatrace.tracer.format import P2P_OPS as P2P_OPS
+from megatrace.tracer.stacks import ThreadStack
 
 DEFAULT_CAPACITY = 131072
 DEFAULT_COMM_TABLE_BYTES = 1 << 20
@@ -259,6 +260,8 @@ class RingSnapshot:
     # When the snapshot was taken (read or dumped), CLOCK_REALTIME ns; why, for dumps.
     taken_ns: int = 0
     reason: str = ""
+    # Every thread's Python stack when a stall or signal dump was taken (empty for a ring read live).
+    stacks: tuple[ThreadStack, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

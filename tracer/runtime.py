@@ -174,7 +174,9 @@ class Tracer:
             self.faults = plan if plan.active else None
             sample_ns = self.settings.host_sample_ms * 1_000_000
             sampler = HostSampler(writer, sample_ns) if sample_ns else None
-            self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns, sampler)
+            self.watchdog = Watchdog(
+                recorder, self.job_dir, rank, stall_ns, sampler, self.settings.stacks_fallback
+            )
             self.watchdog.start_thread()
             self._register_step_hook()
             self.recorder = recorder

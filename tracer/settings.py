@@ -1,8 +1,8 @@
 """Tracer and fault-injection settings, read from the environment and validated.
 
-``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,HOST_SAMPLE_MS,GC_SPAN_MS}`` configure the
-tracer; the Megatrace NCCL names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the
-former are unset.
+``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,HOST_SAMPLE_MS,GC_SPAN_MS,STACKS_FALLBACK}``
+configure the tracer; the Megatrace NCCL names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are
+honoured when the former are unset.
 ``MEGATRACE_FAULT_*`` inject a hang or a slow rank. Bad values raise `ConfigError` naming the variable.
 """
 
@@ -50,6 +50,8 @@ class TraceSettings:
     host_sample_ms: Annotated[int, Field(ge=0)] = DEFAULT_HOST_SAMPLE_MS
     # Garbage collections lasting at least this long are written as span records (all are counted).
     gc_span_ms: Annotated[int, Field(ge=0)] = DEFAULT_GC_SPAN_MS
+    # Keep faulthandler's timer armed for stacks of a rank stuck holding the GIL (`stack_fallback`).
+    stacks_fallback: bool = True
 
 
 @dataclasses.dataclass

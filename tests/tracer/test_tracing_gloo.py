@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatrace.analyzer.frames import where_stuck
 from megatrace.tracer.dumpfile import read_dump
 from megatrace.tracer.format import OP_GC, SPAN_NAMES
 from megatrace.tracer.host_signals import resolve_cgroup
@@ -198,6 +199,17 @@ def test_injected_hang_dumps_on_every_rank_and_shows_who_never_entered(tmp_path:
     assert hung.header.step_count == 3
     assert int(hung.records[hung.records["comm_id"] == cid]["seq"].max()) == seq - 1
     assert all(not snap.header.finished for snap in rings(job).values())
+    # every stall dump carries the rank's stacks: the hung rank waits in the injected hang, the
+    # others in the training loop with the collective in flight
+    hung_at = where_stuck(hung.stacks, hung.header.oldest_inflight_op)
+    assert hung_at is not None and hung_at.frames[0].function == "hang_forever"
+    for rank in (0, 1, 3):
+        snap = latest[rank][1]
+        waiting = where_stuck(snap.stacks, snap.header.oldest_inflight_op)
+        assert waiting is not None and waiting.frames[0].file.endswith("example_train.py"), waiting
+        assert "→ `torch.distributed.distributed_c10d.all_reduce` (example_train.py:" in waiting.text
+        assert waiting.text.endswith(f"collective `{snap.header.oldest_inflight_op}` in flight")
+        assert {stack.name for stack in snap.stacks} >= {"MainThread", "megatrace-watchdog"}
 
 
 def test_injected_slow_rank_arrives_last_in_the_recorded_times(tmp_path: Path) -> None:
