@@ -57,12 +57,17 @@ def _queries(where: str, window: str, minutes: str) -> list[tuple[str, str, Call
             (
                 f"increase(megatrace_infiniband_{counter}{{{where}}}[{window}]) > 0",
                 "network",
-                lambda m, v, c=counter: (
-                    f"{m.get('device', '?')} port {m.get('port', '?')}: {c} +{v:.0f} in the last {minutes}"
-                ),
+                _port_counter(counter, minutes),
             )
         )
     return queries
+
+
+def _port_counter(counter: str, minutes: str) -> Callable[[dict, float], str]:
+    def describe(m: dict, v: float) -> str:
+        return f"{m.get('device', '?')} port {m.get('port', '?')}: {counter} +{v:.0f} in the last {minutes}"
+
+    return describe
 
 
 def node_findings(
