@@ -13,8 +13,8 @@ Faults that live in the job itself hit ``--fault-rank`` from ``--fault-step`` on
 dataset takes ``--loader-s`` per item), ``gc-storm`` (the rank keeps a million objects of its own and
 caches ``--retained`` more a step, so that the collector's full passes keep walking them all),
 ``flock`` (the rank takes an exclusive ``flock`` on ``--lock``, once) and ``fifo-checkpoint``
-(``torch.save`` of the model to ``--checkpoint``, once). Faults from outside (CPU hogs, quotas, memory limits, throttled reads) are
-the harness's (tests/support/host_faults.py).
+(``torch.save`` of the model to ``--checkpoint``, once). Faults from outside (CPU hogs, quotas,
+memory limits, throttled reads) are the harness's (tests/support/host_faults.py).
 """
 
 from __future__ import annotations
