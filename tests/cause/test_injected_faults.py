@@ -135,16 +135,17 @@ def test_memory_limit_on_the_culprits_cgroup_is_memory_pressure(tmp_path: Path, 
             lambda pids: group.join(pids[p.culprit]),
             squeeze,
         )
-        hits = group.memory_limit_hits()
-    faults = {r: run.watch.delta(r).major_faults for r in run.pids}
+        hits, refaults = group.memory_limit_hits(), group.memory_refaults()
+    read = {r: run.watch.delta(r).read_bytes for r in run.pids}
     slowdown = run.slowdown(p.culprit, FROM_STEP)
-    peer_faults = max(faults[r] for r in peers(run, p.culprit))
+    peer_read = max(read[r] for r in peers(run, p.culprit))
     took = (
-        f"memory limit {limit[0] >> 20} MiB hit {hits} times; major faults {faults[p.culprit]} on the "
-        "culprit, "
-        f"≤ {peer_faults} on its peers; culprit's local time {slowdown:.1f}× its peers' median"
+        f"memory limit {limit[0] >> 20} MiB hit {hits} times, {refaults} pages refaulted; read from disk "
+        f"{read[p.culprit] >> 20} MiB by the culprit, ≤ {peer_read >> 20} MiB by its peers; culprit's "
+        f"local time {slowdown:.1f}× its peers' median"
     )
-    assert hits > 0 and faults[p.culprit] > 10 * max(peer_faults, 100) and slowdown > 1.5, took
+    assert hits > 0 and refaults > WORKING_SET // 4096, took
+    assert read[p.culprit] > 4 * WORKING_SET > 2 * peer_read and slowdown > 1.5, took
     assert_slow_named(run, p.culprit)
     record_row("memory limit on the culprit's cgroup", p, "memory_pressure", run.why, took)
     assert_why(run, p.culprit, "memory_pressure")

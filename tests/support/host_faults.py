@@ -103,6 +103,11 @@ class RankCgroup:
             return events.get("high", 0) + events.get("max", 0)
         return int(self._file("memory", "memory.failcnt").read_text())
 
+    def memory_refaults(self) -> int:
+        """Pages evicted under the limit and read back (``memory.stat`` workingset_refault*)."""
+        stat = _keyed(self._file("memory", "memory.stat").read_text())
+        return sum(v for k, v in stat.items() if k.startswith("workingset_refault"))
+
     def throttle_reads(self, device: str, bytes_per_s: int) -> None:
         """Reads from block device `device` (``MAJ:MIN``) at most `bytes_per_s`."""
         if self.version == 2:
