@@ -220,7 +220,10 @@ def test_a_hang_in_a_file_lock_names_the_frame(tmp_path: Path, plan, record_row)
             hang_mark="takes the lock",
             while_hung=lambda pids: seen.append(lock_waiters(lock)),
         )
-    took = f"/proc/locks: pids {sorted(seen[0])} wait for the lock; the culprit is {run.pids[p.culprit]}"
+    took = (
+        f"/proc/locks: pids {sorted(seen[0])} wait for the lock, the culprit is {run.pids[p.culprit]}; "
+        f"stall dumps from ranks {sorted(run.dumped)}"
+    )
     assert seen[0] == {run.pids[p.culprit]}, took
     assert_hang_named(run, p.culprit)
     record_row("hang in a file lock (flock)", p, "python: take_lock", run.why, took)
@@ -245,7 +248,10 @@ def test_a_checkpoint_to_a_fifo_nobody_reads_names_the_frame(tmp_path: Path, pla
         hang_mark="checkpoints to",
         while_hung=lambda pids: sleeps_in.append(waiting_in(pids[p.culprit])),
     )
-    took = f"the culprit's main thread sleeps in {sleeps_in[0]!r} (open of a FIFO without a reader)"
+    took = (
+        f"the culprit's main thread sleeps in {sleeps_in[0]!r} (open of a FIFO without a reader, in "
+        f"C holding the GIL); stall dumps from ranks {sorted(run.dumped)}"
+    )
     assert sleeps_in[0] == "wait_for_partner", took
     assert_hang_named(run, p.culprit)
     record_row("hang in torch.save to a FIFO", p, "python: write_checkpoint", run.why, took)
