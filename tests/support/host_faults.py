@@ -181,17 +181,23 @@ def pin(pid: int, cpu: int) -> None:
 
 @dataclass
 class CpuHogs:
-    """`count` processes spinning without pause on `cpu` from `start()`; a context manager that kills
-    them on exit."""
+    """`count` processes spinning without pause on `cpu` from `start()`, each in its own session (as
+    another program on the node: with the scheduler's autogroups a session shares the CPU as one) at
+    niceness `nice`, task and autogroup alike (below 0: a busier neighbour than the rank, whatever
+    else loads the machine); a context manager that kills them on exit."""
 
     cpu: int
     count: int
+    nice: int = 0
     procs: list[subprocess.Popen] = field(default_factory=list)
 
     def start(self) -> None:
         for _ in range(self.count):
             argv = ["taskset", "-c", str(self.cpu), sys.executable, "-c", HOG, "1.0"]
-            self.procs.append(subprocess.Popen(argv))
+            proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=lambda: os.nice(self.nice))
+            self.procs.append(proc)
+            with contextlib.suppress(OSError):  # kernels without CONFIG_SCHED_AUTOGROUP lack the file
+                Path(f"/proc/{proc.pid}/autogroup").write_text(str(self.nice))
 
     def cpu_seconds(self) -> list[float]:
         """CPU time each hog has used so far."""
