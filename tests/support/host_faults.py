@@ -249,8 +249,10 @@ def loop_disk(folder: Path, size_mib: int = 400) -> Iterator[LoopDisk]:
         rdev = os.stat(device).st_rdev
         yield LoopDisk(device, f"{os.major(rdev)}:{os.minor(rdev)}", mount)
     finally:
-        if mounted:
-            subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+        for _ in range(50 if mounted else 0):  # killed ranks may still hold files open for a moment
+            if subprocess.run(["umount", str(mount)], check=False, capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
         if device:
             subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
         image.unlink()
