@@ -251,8 +251,11 @@ def loop_disk(folder: Path, size_mib: int = 400) -> Iterator[LoopDisk]:
     finally:
         for _ in range(50 if mounted else 0):  # killed ranks may still hold files open for a moment
             if subprocess.run(["umount", str(mount)], check=False, capture_output=True).returncode == 0:
+                mounted = False
                 break
             time.sleep(0.1)
+        if mounted:  # still busy: detach it now, the kernel lets go of it once its last user does
+            subprocess.run(["umount", "--lazy", str(mount)], check=False, capture_output=True)
         if device:
             subprocess.run(["losetup", "-d", device], check=False, capture_output=True)
         image.unlink()
