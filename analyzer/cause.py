@@ -11,7 +11,8 @@ is ``python``, with the frame. GPU and network classes come from the node's coun
 bot's drill-down sees (``megatrace.alertbot.drilldown``).
 
 The classes are checked in `SIGNALS` order, most specific first: a quota shows as run-queue delay
-too, memory pressure as I/O waits, an I/O stall in a loader as data-loader time.
+too, memory pressure as I/O waits, an I/O stall in a loader as data-loader time, and contention for
+the CPU slows a rank's garbage collections and its data loading alike (their shares of its time stay).
 """
 
 from __future__ import annotations
@@ -107,6 +108,16 @@ def _io_wait_share(window: Window) -> float | None:
     return None if seen is None or window.samples < 2 else seen / (window.samples - 1)
 
 
+def _runq_share(window: Window) -> float | None:
+    """Run-queue delay as a share of the time the rank was runnable (on a CPU or waiting for one): a
+    rank that computes more is runnable more and waits more on any loaded host, so the share of wall
+    would blame the busiest rank, not the one whose CPUs are taken."""
+    runq, cpu = window.delta("runq_ns"), window.delta("cpu_ns")
+    if runq is None or cpu is None:
+        return None
+    return runq / (runq + cpu) if runq + cpu else 0.0
+
+
 def _share(field: str) -> Callable[[Window], float | None]:
     return lambda window: window.share(field)
 
@@ -121,9 +132,9 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("io_stall", "main thread in I/O wait", _io_wait_share, 0.20, detail="of samples"),
     Signal("io_stall", "block I/O delay", _share("blkio_delay_ns"), 0.10, detail="of wall"),
     Signal("io_stall", "I/O pressure stall", _share("io_pressure_ns"), 0.10, detail="of wall"),
-    Signal("cpu_contention", "run-queue delay", _share("runq_ns"), 0.10, detail="of wall"),
-    Signal("cpu_contention", "CPU pressure stall", _share("cpu_pressure_ns"), 0.10, detail="of wall"),
     Signal("gc", "garbage-collection pauses", _share("gc_ns"), 0.05, detail="of wall"),
+    Signal("cpu_contention", "run-queue delay", _runq_share, 0.20, detail="of its runnable time"),
+    Signal("cpu_contention", "CPU pressure stall", _share("cpu_pressure_ns"), 0.10, detail="of wall"),
     Signal("dataloader", "DataLoader waits", _share("dataloader_ns"), 0.10, detail="of wall"),
 )
 

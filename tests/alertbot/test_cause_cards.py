@@ -29,7 +29,7 @@ WHY = {
         "Do first**: Speed up rank 5's data loading",
     ),
     "cpu_contention": (
-        "run-queue delay 41 % of wall on rank 5, 2 % of wall median on its 7 peer(s)",
+        "run-queue delay 41 % of its runnable time on rank 5, 4 % of its runnable time median",
         "Do first**: Find what else runs on the CPUs of rank 5 on node gpu-9",
     ),
 }

@@ -57,18 +57,28 @@ def slow_report(rank: int) -> dict:
 
 
 def test_run_queue_delay_of_the_culprit_alone_names_cpu_contention() -> None:
-    signals = {r: samples(runq_ns=0.02 * S) for r in range(8)}
-    signals[5] = samples(runq_ns=0.41 * S)
+    signals = {r: samples(runq_ns=0.02 * S, cpu_ns=0.48 * S) for r in range(8)}
+    signals[5] = samples(runq_ns=0.41 * S, cpu_ns=0.59 * S)
     why = explain(table(signals), slow_report(5))
     assert why == {
         "rank": 5,
         "class": "cpu_contention",
-        "evidence": "run-queue delay 41 % of wall on rank 5, 2 % of wall median on its 7 peer(s)",
+        "evidence": "run-queue delay 41 % of its runnable time on rank 5, 4 % of its runnable time median "
+        "on its 7 peer(s)",
     }
 
 
+def test_a_rank_that_computes_more_is_not_contended_for_waiting_more() -> None:
+    """On a loaded host the busiest rank waits longest in the run queue (a GC storm, a heavier stage);
+    what counts is the share of the time it wanted a CPU that it waited, here the same as its peers'."""
+    signals = {r: samples(runq_ns=0.05 * S, cpu_ns=0.15 * S) for r in range(4)}
+    signals[2] = samples(runq_ns=0.3 * S, cpu_ns=0.6 * S, gc_ns=0.5 * S)
+    why = explain(table(signals), slow_report(2))
+    assert why["class"] == "gc", why
+
+
 def test_a_host_loaded_uniformly_names_no_cause() -> None:
-    signals = {r: samples(runq_ns=0.45 * S, gc_ns=0.01 * S) for r in range(8)}
+    signals = {r: samples(runq_ns=0.45 * S, cpu_ns=0.5 * S, gc_ns=0.01 * S) for r in range(8)}
     assert explain(table(signals), slow_report(5))["class"] == "unknown"
 
 
@@ -88,8 +98,8 @@ def test_a_quota_wins_over_the_run_queue_delay_it_also_causes() -> None:
 
 
 def test_below_the_floor_nothing_is_named_however_far_from_the_peers() -> None:
-    signals = {r: samples(runq_ns=0.001 * S) for r in range(4)}
-    signals[2] = samples(runq_ns=0.05 * S)  # 50 times the peers, but 5 % of wall
+    signals = {r: samples(runq_ns=0.001 * S, cpu_ns=0.5 * S) for r in range(4)}
+    signals[2] = samples(runq_ns=0.05 * S, cpu_ns=0.5 * S)  # 50 times the peers, but 9 % of runnable time
     assert classify(table(signals), 2, T0, T0 + 20 * S)["class"] == "unknown"
 
 
