@@ -108,14 +108,14 @@ def _io_wait_share(window: Window) -> float | None:
     return None if seen is None or window.samples < 2 else seen / (window.samples - 1)
 
 
-def _runq_share(window: Window) -> float | None:
-    """Run-queue delay as a share of the time the rank was runnable (on a CPU or waiting for one): a
-    rank that computes more is runnable more and waits more on any loaded host, so the share of wall
-    would blame the busiest rank, not the one whose CPUs are taken."""
+def _runq_per_cpu_second(window: Window) -> float | None:
+    """Run-queue delay per second on a CPU: how much longer than its CPU time the rank's work took
+    for want of a CPU. Not a share of wall: on any loaded host the rank that computes most is runnable
+    most and so waits most (a GC storm, a heavier stage), which is not contention aimed at it."""
     runq, cpu = window.delta("runq_ns"), window.delta("cpu_ns")
     if runq is None or cpu is None:
         return None
-    return runq / (runq + cpu) if runq + cpu else 0.0
+    return runq / cpu if cpu else 0.0
 
 
 def _share(field: str) -> Callable[[Window], float | None]:
@@ -133,7 +133,7 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("io_stall", "block I/O delay", _share("blkio_delay_ns"), 0.10, detail="of wall"),
     Signal("io_stall", "I/O pressure stall", _share("io_pressure_ns"), 0.10, detail="of wall"),
     Signal("gc", "garbage-collection pauses", _share("gc_ns"), 0.05, detail="of wall"),
-    Signal("cpu_contention", "run-queue delay", _runq_share, 0.20, detail="of its runnable time"),
+    Signal("cpu_contention", "run-queue delay", _runq_per_cpu_second, 0.25, False, " s per CPU-second"),
     Signal("cpu_contention", "CPU pressure stall", _share("cpu_pressure_ns"), 0.10, detail="of wall"),
     Signal("dataloader", "DataLoader waits", _share("dataloader_ns"), 0.10, detail="of wall"),
 )

@@ -63,18 +63,20 @@ def test_run_queue_delay_of_the_culprit_alone_names_cpu_contention() -> None:
     assert why == {
         "rank": 5,
         "class": "cpu_contention",
-        "evidence": "run-queue delay 41 % of its runnable time on rank 5, 4 % of its runnable time median "
-        "on its 7 peer(s)",
+        "evidence": "run-queue delay 0.7 s per CPU-second on rank 5, 0.0 s per CPU-second median on its "
+        "7 peer(s)",
     }
 
 
 def test_a_rank_that_computes_more_is_not_contended_for_waiting_more() -> None:
     """On a loaded host the busiest rank waits longest in the run queue (a GC storm, a heavier stage);
-    what counts is the share of the time it wanted a CPU that it waited, here the same as its peers'."""
+    what counts is how long it waited per second it ran, here about its peers'."""
     signals = {r: samples(runq_ns=0.05 * S, cpu_ns=0.15 * S) for r in range(4)}
     signals[2] = samples(runq_ns=0.3 * S, cpu_ns=0.6 * S, gc_ns=0.5 * S)
     why = explain(table(signals), slow_report(2))
     assert why["class"] == "gc", why
+    signals[2] = samples(runq_ns=0.3 * S, cpu_ns=0.6 * S)  # a heavier stage: 30 % of wall waiting
+    assert explain(table(signals), slow_report(2))["class"] == "unknown"
 
 
 def test_a_host_loaded_uniformly_names_no_cause() -> None:
@@ -99,7 +101,7 @@ def test_a_quota_wins_over_the_run_queue_delay_it_also_causes() -> None:
 
 def test_below_the_floor_nothing_is_named_however_far_from_the_peers() -> None:
     signals = {r: samples(runq_ns=0.001 * S, cpu_ns=0.5 * S) for r in range(4)}
-    signals[2] = samples(runq_ns=0.05 * S, cpu_ns=0.5 * S)  # 50 times the peers, but 9 % of runnable time
+    signals[2] = samples(runq_ns=0.05 * S, cpu_ns=0.5 * S)  # 50 times the peers, but 0.1 s per CPU-second
     assert classify(table(signals), 2, T0, T0 + 20 * S)["class"] == "unknown"
 
 
