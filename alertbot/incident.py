@@ -226,13 +226,29 @@ def cause_of(incident: Incident) -> dict[str, Any] | None:
     return why if str(why.get("rank")) == culprit.rank else None
 
 
+CAUSE_NAMES = {
+    "gpu": "GPU",
+    "network": "network",
+    "cpu_contention": "host CPU contention",
+    "cpu_quota": "CPU quota",
+    "memory_pressure": "memory pressure",
+    "io_stall": "I/O stall",
+    "dataloader": "data loader",
+    "gc": "garbage collection",
+    "python": "stuck in Python",
+}
+
+
 def cause_text(incident: Incident) -> str:
-    """The card's "Why" line: the class and its evidence ("" when none is named)."""
+    """The card's "Why" line: the class and its evidence, or where a rank stuck in Python is ("" when
+    no class is named)."""
     why = cause_of(incident)
     if why is None:
         return ""
-    where = f" {why['where']}" if why.get("where") else ""
-    return f"{str(why['class']).replace('_', ' ')}{where}: {why.get('evidence', '')}"
+    name = CAUSE_NAMES[str(why["class"])]
+    if why.get("where"):
+        return f"{name}: rank {why['rank']} is {why['where']}"
+    return f"{name}: {why.get('evidence', '')}"
 
 
 def next_step(incident: Incident) -> str:

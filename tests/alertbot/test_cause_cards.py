@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatrace.alertbot.drilldown import DrilldownRunner
+from megatrace.alertbot.incident import CAUSE_NAMES
 from megatrace.alertbot.node_findings import Finding, cause_from_nodes
 from tests.alertbot.conftest import Bot, config, webhook
 from tests.alertbot.test_incident import T0, VERDICT, drilldown, job_hang, rank_hangs, text
@@ -59,7 +60,7 @@ def with_why(**why: object) -> dict:
 def test_the_card_says_why_and_what_to_do_for_the_class(tmp_path: Path, cls: str) -> None:
     evidence, step = WHY[cls]
     card = card_after_verdict(tmp_path, with_why(**{"class": cls, "evidence": evidence}))
-    assert f"**Why**: {cls.replace('_', ' ')}: {evidence}" in card
+    assert f"**Why**: {CAUSE_NAMES[cls]}: {evidence}" in card
     assert step in card
 
 
@@ -68,7 +69,7 @@ def test_a_rank_stuck_in_python_is_shown_where(tmp_path: Path) -> None:
     why = with_why(**{"class": "python", "evidence": "…", "where": where, "frame": {"function": "save"}})
     card = card_after_verdict(tmp_path, why)
     shown = where.replace("`", "&#96;")  # the card's markdown escapes backticks as entities
-    assert f"**Why**: python {shown}: …" in card
+    assert f"**Why**: stuck in Python: rank 5 is {shown}" in card
     assert f"Do first**: Look at what rank 5 is doing {shown}" in card
 
 
