@@ -49,11 +49,13 @@ _DATALOADER = PAUSE_KIND_CODES["dataloader"]
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """One rank between two of its host samples: the first, the last and how many lie between."""
+    """One rank between two of its host samples: the first, the last, how many lie between, and the
+    rank's own time there (ns): the wall time it did not spend waiting in collectives."""
 
     first: HostSample
     last: HostSample
     samples: int
+    own_ns: int = 0
 
     @property
     def wall_ns(self) -> int:
@@ -70,6 +72,11 @@ class Window:
         """The counter's growth (ns) as a share of the wall time between the samples."""
         grown = self.delta(field)
         return None if grown is None else grown / self.wall_ns
+
+    def own_share(self, field: str) -> float | None:
+        """The counter's growth (ns) as a share of the rank's own time between the samples."""
+        grown = self.delta(field)
+        return None if grown is None else min(1.0, grown / max(self.own_ns, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +129,15 @@ def _share(field: str) -> Callable[[Window], float | None]:
     return lambda window: window.share(field)
 
 
+def _own_share(field: str) -> Callable[[Window], float | None]:
+    return lambda window: window.own_share(field)
+
+
+# Time spent in a rank's own loop is counted against the time it did not wait in collectives: the slow
+# rank waits least, so any share of *wall* it spends computing, collecting garbage or loading data is
+# larger than its waiting peers' whatever slows it.
+_OWN = "of its time outside collectives"
+
 # Checked in this order; the first class whose signal stands out is named.
 SIGNALS: tuple[Signal, ...] = (
     Signal("cpu_quota", "CPU quota throttling", _throttled, 0.10, detail="of scheduler periods"),
@@ -132,17 +148,17 @@ SIGNALS: tuple[Signal, ...] = (
     Signal("io_stall", "main thread in I/O wait", _io_wait_share, 0.20, detail="of samples"),
     Signal("io_stall", "block I/O delay", _share("blkio_delay_ns"), 0.10, detail="of wall"),
     Signal("io_stall", "I/O pressure stall", _share("io_pressure_ns"), 0.10, detail="of wall"),
-    Signal("gc", "garbage-collection pauses", _share("gc_ns"), 0.05, detail="of wall"),
+    Signal("gc", "garbage-collection pauses", _own_share("gc_ns"), 0.05, detail=_OWN),
     Signal("cpu_contention", "run-queue delay", _runq_per_cpu_second, 0.25, False, " s per CPU-second"),
     Signal("cpu_contention", "CPU pressure stall", _share("cpu_pressure_ns"), 0.10, detail="of wall"),
-    Signal("dataloader", "DataLoader waits", _share("dataloader_ns"), 0.10, detail="of wall"),
+    Signal("dataloader", "DataLoader waits", _own_share("dataloader_ns"), 0.10, detail=_OWN),
 )
 
 
 def window_of(samples: Sequence[HostSample], start_ns: int, end_ns: int) -> Window | None:
     """The rank's samples bracketing [start_ns, end_ns] as closely as they allow: the last sample at
     or before the start (else the first), the last at or before the end (else the last); None when
-    fewer than two distinct sample times remain."""
+    fewer than two distinct sample times remain. Its own time is left unset (`with_own_time`)."""
     if len(samples) < 2:
         return None
     before = [i for i, s in enumerate(samples) if s.time_ns <= start_ns]
@@ -156,8 +172,39 @@ def window_of(samples: Sequence[HostSample], start_ns: int, end_ns: int) -> Wind
     return Window(samples[first], samples[last], last - first + 1)
 
 
-def _span_share(info: RankInfo, op: int, start_ns: int, end_ns: int, kind: int | None = None) -> float:
-    """The share of [start_ns, end_ns] the rank spent in span records of `op` (pause `kind`)."""
+def collective_ns(table: TraceTable, rank: int, start_ns: int, end_ns: int) -> int:
+    """How long in [start_ns, end_ns] `rank` had a collective in flight (the union of its calls'
+    enqueue-to-completion intervals; a call never completed lasts to the end)."""
+    mine = table["rank"] == rank
+    begin = table["enqueue_ns"][mine].astype(np.int64)
+    end = table["complete_ns"][mine].astype(np.int64)
+    end = np.where(end > 0, end, end_ns)
+    keep = (end > start_ns) & (begin < end_ns)
+    begin, end = np.clip(begin[keep], start_ns, end_ns), np.clip(end[keep], start_ns, end_ns)
+    if not len(begin):
+        return 0
+    order = np.argsort(begin, kind="stable")
+    begin, end = begin[order], np.maximum.accumulate(end[order])
+    # a call starts a new stretch where it begins after every earlier call ended
+    starts = np.concatenate([[True], begin[1:] > end[:-1]])
+    stretch = np.cumsum(starts) - 1
+    first = begin[starts]
+    last = np.zeros(len(first), dtype=np.int64)
+    np.maximum.at(last, stretch, end)
+    return int((last - first).sum())
+
+
+def with_own_time(table: TraceTable, rank: int, window: Window) -> Window:
+    """`window` with the rank's own time set: its wall time less its time in collectives."""
+    start, end = window.first.time_ns, window.last.time_ns
+    return dataclasses.replace(window, own_ns=window.wall_ns - collective_ns(table, rank, start, end))
+
+
+def _span_share(
+    table: TraceTable, info: RankInfo, op: int, start_ns: int, end_ns: int, kind: int | None
+) -> float:
+    """The share of the rank's own time in [start_ns, end_ns] it spent in span records of `op`
+    (pause `kind`)."""
     spans = info.spans
     if spans is None or not len(spans) or end_ns <= start_ns:
         return 0.0
@@ -166,7 +213,8 @@ def _span_share(info: RankInfo, op: int, start_ns: int, end_ns: int, kind: int |
         keep &= spans["peer"] == kind
     begin = np.maximum(spans["enqueue_ns"][keep], start_ns)
     end = np.minimum(spans["complete_ns"][keep], end_ns)
-    return float(np.clip(end - begin, 0, None).sum()) / (end_ns - start_ns)
+    own = end_ns - start_ns - collective_ns(table, info.rank, start_ns, end_ns)
+    return min(1.0, float(np.clip(end - begin, 0, None).sum()) / max(own, 1))
 
 
 def _values(
@@ -178,9 +226,9 @@ def _values(
     for rank, info in table.ranks.items():
         window = windows.get(rank)
         value = signal.measure(window) if window is not None else None
-        if value is None and signal.cls in ("gc", "dataloader"):
+        if value is None and signal.cls in ("gc", "dataloader") and info.spans is not None:
             op, kind = (OP_GC, None) if signal.cls == "gc" else (OP_PAUSE, _DATALOADER)
-            value = _span_share(info, op, start_ns, end_ns, kind) if info.spans is not None else None
+            value = _span_share(table, info, op, start_ns, end_ns, kind)
         if value is not None:
             out[rank] = value
     return out
@@ -205,7 +253,9 @@ def _evidence(signal: Signal, rank: int, culprit: float, peers: list[float]) -> 
 def classify(table: TraceTable, rank: int, start_ns: int, end_ns: int) -> dict[str, Any]:
     """The cause class of `rank` over [start_ns, end_ns] against its peers: {"class", "evidence"}."""
     windows = {
-        r: w for r, info in table.ranks.items() if (w := window_of(info.host_samples, start_ns, end_ns))
+        r: with_own_time(table, r, w)
+        for r, info in table.ranks.items()
+        if (w := window_of(info.host_samples, start_ns, end_ns))
     }
     measured = False
     for signal in SIGNALS:

@@ -33,13 +33,17 @@ def samples(**per_s: float) -> tuple[HostSample, ...]:
 
 
 def table(
-    signals: dict[int, tuple[HostSample, ...]], spans: dict[int, np.ndarray] | None = None
+    signals: dict[int, tuple[HostSample, ...]],
+    spans: dict[int, np.ndarray] | None = None,
+    waits: dict[int, float] | None = None,
 ) -> TraceTable:
+    """Ranks each making one collective call a second for 20 s, in flight `waits[rank]` s (0.1)."""
     ranks = sorted(signals)
     n = 20
     rank_col = np.repeat(np.array(ranks, dtype=np.int32), n)
     times = np.tile(T0 + np.arange(n, dtype=np.int64) * S, len(ranks))
-    cols = empty_columns(len(rank_col), rank=rank_col, enqueue_ns=times, complete_ns=times + S // 10)
+    wait = np.repeat([int((waits or {}).get(r, 0.1) * S) for r in ranks], n)
+    cols = empty_columns(len(rank_col), rank=rank_col, enqueue_ns=times, complete_ns=times + wait)
     infos = {
         r: RankInfo(
             rank=r,
@@ -99,6 +103,17 @@ def test_a_quota_wins_over_the_run_queue_delay_it_also_causes() -> None:
     assert why["evidence"].startswith("CPU quota throttling 63 % of scheduler periods on rank 2, 0 %")
 
 
+def test_a_slow_rank_is_not_blamed_for_what_takes_the_same_share_of_its_own_time() -> None:
+    """The slow rank waits least in collectives, so its GC pauses take more of its *wall* time than its
+    waiting peers' (8 % against 1 %) though the same share of the time it runs its loop: not GC."""
+    signals = {r: samples(gc_ns=0.01 * S, cpu_ns=0.2 * S) for r in range(4)}
+    signals[3] = samples(gc_ns=0.08 * S, cpu_ns=0.9 * S)
+    waits = {0: 0.8, 1: 0.8, 2: 0.8, 3: 0.05}
+    assert classify(table(signals, waits=waits), 3, T0, T0 + 20 * S)["class"] == "unknown"
+    signals[3] = samples(gc_ns=0.3 * S, cpu_ns=0.9 * S)  # a third of its own time: a GC storm
+    assert classify(table(signals, waits=waits), 3, T0, T0 + 20 * S)["class"] == "gc"
+
+
 def test_below_the_floor_nothing_is_named_however_far_from_the_peers() -> None:
     signals = {r: samples(runq_ns=0.001 * S, cpu_ns=0.5 * S) for r in range(4)}
     signals[2] = samples(runq_ns=0.05 * S, cpu_ns=0.5 * S)  # 50 times the peers, but 0.1 s per CPU-second
@@ -125,7 +140,8 @@ def test_data_loader_spans_speak_where_no_host_sample_covers_the_window() -> Non
     spans[1] = np.concatenate([spans[1], spans_of(OP_GC, 2, [3], 0.001)])
     why = classify(table(dict.fromkeys(range(4), ()), spans), 1, T0, T0 + 20 * S)
     assert why["class"] == "dataloader"
-    assert why["evidence"].startswith("DataLoader waits 45 % of wall on rank 1, 0 % of wall median")
+    # 9 s of loader waits in the 18 s it spent outside its collectives (20 calls of 0.1 s)
+    assert why["evidence"].startswith("DataLoader waits 50 % of its time outside collectives on rank 1, 0 %")
 
 
 def test_no_why_for_a_healthy_job_and_unknown_without_any_signal() -> None:
