@@ -52,18 +52,25 @@ def as_the_watchdog_does() -> None:
         stack_lines(capture_stacks(), "all_reduce", 1)
 
 
-def with_faulthandler() -> None:
-    fd = os.memfd_create("megatrace-stacks-bench")
-    try:
-        faulthandler.dump_traceback(file=fd, all_threads=True)
-        size = os.lseek(fd, 0, os.SEEK_CUR)
-        text = os.pread(fd, size, 0).decode("ascii", "replace")
-    finally:
-        os.close(fd)
-    with gc_paused():
-        stack_lines(
-            parse_faulthandler(text, thread_names(), threading.main_thread().ident or 0), "all_reduce", 1
-        )
+def with_faulthandler(holds: list[float]) -> Callable[[], None]:
+    """The faulthandler way; `holds` gets the CPU time of each `dump_traceback` call (it holds the
+    GIL throughout)."""
+
+    def run() -> None:
+        fd = os.memfd_create("megatrace-stacks-bench")
+        try:
+            start = time.thread_time()
+            faulthandler.dump_traceback(file=fd, all_threads=True)
+            holds.append(time.thread_time() - start)
+            size = os.lseek(fd, 0, os.SEEK_CUR)
+            text = os.pread(fd, size, 0).decode("ascii", "replace")
+        finally:
+            os.close(fd)
+        main_id = threading.main_thread().ident or 0
+        with gc_paused():
+            stack_lines(parse_faulthandler(text, thread_names(), main_id), "all_reduce", 1)
+
+    return run
 
 
 class HoldMeter:
@@ -159,11 +166,12 @@ def main() -> None:
     frames = sum(len(stack.frames) for stack in capture_stacks())
     print(f"{args.threads} threads x {args.depth} frames ({frames} frames in all), {args.captures} runs each")
     print(f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms, Python {sys.version.split()[0]}")
+    dump_holds: list[float] = []
     ways = (
         ("no capture", None),
         ("busy Python", busy_python),
         ("capture_stacks", as_the_watchdog_does),
-        ("faulthandler", with_faulthandler),
+        ("faulthandler", with_faulthandler(dump_holds)),
     )
     for label, capture in ways:
         blocks, times = measure(capture, args.captures)
@@ -173,6 +181,7 @@ def main() -> None:
     stacks_module.time = meter  # type: ignore[assignment]
     measure(metered(meter), args.captures)
     print(f"capture_stacks  GIL held between hand-backs, CPU time of the capturing thread: {ms(meter.holds)}")
+    print(f"faulthandler    GIL held by dump_traceback, CPU time of the capturing thread: {ms(dump_holds)}")
     release.set()
 
 
