@@ -12,7 +12,8 @@ thread was kept off the GIL. Two ways are measured:
   the same lines made (one C call that holds the GIL for the whole dump; the fallback's format).
 
 For comparison: no capture at all (the loop's own gaps: scheduler noise), and a second thread that
-runs plain Python for 10 ms (CPython makes it give the GIL up every switch interval, 5 ms).
+runs plain Python for 10 ms (CPython makes it give the GIL up every switch interval, 5 ms). Last, the
+capture's longest stretch holding the GIL, in the capturing thread's CPU time (scheduler-proof).
 
     .venv/bin/python bench/bench_stacks.py [--threads 64] [--depth 50] [--captures 30]
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatrace.tracer import stacks as stacks_module
 from megatrace.tracer.stacks import capture_stacks, gc_paused, parse_faulthandler, stack_lines, thread_names
 
 GAP_S = 0.0001  # gaps shorter than this are the loop itself
@@ -50,18 +52,59 @@ def as_the_watchdog_does() -> None:
         stack_lines(capture_stacks(), "all_reduce", 1)
 
 
-def with_faulthandler() -> None:
-    fd = os.memfd_create("megatrace-stacks-bench")
-    try:
-        faulthandler.dump_traceback(file=fd, all_threads=True)
-        size = os.lseek(fd, 0, os.SEEK_CUR)
-        text = os.pread(fd, size, 0).decode("ascii", "replace")
-    finally:
-        os.close(fd)
-    with gc_paused():
-        stack_lines(
-            parse_faulthandler(text, thread_names(), threading.main_thread().ident or 0), "all_reduce", 1
-        )
+def with_faulthandler(holds: list[float]) -> Callable[[], None]:
+    """The faulthandler way; `holds` gets the CPU time of each `dump_traceback` call (it holds the
+    GIL throughout)."""
+
+    def run() -> None:
+        fd = os.memfd_create("megatrace-stacks-bench")
+        try:
+            start = time.thread_time()
+            faulthandler.dump_traceback(file=fd, all_threads=True)
+            holds.append(time.thread_time() - start)
+            size = os.lseek(fd, 0, os.SEEK_CUR)
+            text = os.pread(fd, size, 0).decode("ascii", "replace")
+        finally:
+            os.close(fd)
+        main_id = threading.main_thread().ident or 0
+        with gc_paused():
+            stack_lines(parse_faulthandler(text, thread_names(), main_id), "all_reduce", 1)
+
+    return run
+
+
+class HoldMeter:
+    """Stands in for the `time` module inside `megatrace.tracer.stacks` and records, in CPU time of
+    the capturing thread, each stretch it held the GIL between two hand-backs (``time.sleep(0)``):
+    the longest is what the main thread could wait on a machine with a free core, whatever the
+    scheduler of a loaded one adds."""
+
+    def __init__(self) -> None:
+        self.holds: list[float] = []
+        self._since = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        self._since = time.thread_time()
+
+    def sleep(self, seconds: float) -> None:
+        self.end()
+        time.sleep(seconds)
+        self.begin()
+
+    def end(self) -> None:
+        self.holds.append(time.thread_time() - self._since)
+
+
+def metered(meter: HoldMeter) -> Callable[[], None]:
+    def run() -> None:
+        meter.begin()
+        as_the_watchdog_does()
+        meter.end()
+
+    return run
 
 
 def busy_python() -> None:
@@ -123,16 +166,22 @@ def main() -> None:
     frames = sum(len(stack.frames) for stack in capture_stacks())
     print(f"{args.threads} threads x {args.depth} frames ({frames} frames in all), {args.captures} runs each")
     print(f"switch interval {sys.getswitchinterval() * 1e3:.1f} ms, Python {sys.version.split()[0]}")
+    dump_holds: list[float] = []
     ways = (
         ("no capture", None),
         ("busy Python", busy_python),
         ("capture_stacks", as_the_watchdog_does),
-        ("faulthandler", with_faulthandler),
+        ("faulthandler", with_faulthandler(dump_holds)),
     )
     for label, capture in ways:
         blocks, times = measure(capture, args.captures)
         took = "" if capture is None else f"; it took {ms(times)}"
         print(f"{label:15s} main thread blocked {ms(blocks)}{took}")
+    meter = HoldMeter()
+    stacks_module.time = meter  # type: ignore[assignment]
+    measure(metered(meter), args.captures)
+    print(f"capture_stacks  GIL held between hand-backs, CPU time of the capturing thread: {ms(meter.holds)}")
+    print(f"faulthandler    GIL held by dump_traceback, CPU time of the capturing thread: {ms(dump_holds)}")
     release.set()
 
 

@@ -83,7 +83,6 @@ class StackFallback:
         self.rank = rank
         self.timeout_s = fallback_timeout_s(stall_ns)
         self._fd: int | None = None
-        self._header_bytes = 0
         self._named: dict[int, str] = {}
         self._lock = threading.Lock()
 
@@ -115,7 +114,6 @@ class StackFallback:
         with self._lock:
             self._fd = fd
             self._write(header)
-            self._header_bytes = len(header)
         self.tick()
         return True
 

@@ -224,10 +224,9 @@ def _number(pairs: dict[str, str], key: str, base: int = 10) -> int:
 @dataclasses.dataclass
 class StackSection:
     """A dump's stack section as it is read back, line by line (`add` each ``# stacks``, ``# thread``
-    and ``# frame`` line in order)."""
+    and ``# frame`` line in order). The ``# stacks`` line is checked only: the op in flight it names
+    is the header's."""
 
-    in_flight: str = ""
-    in_flight_since_ns: int = 0
     _threads: list[tuple[ThreadStack, list[Frame]]] = dataclasses.field(default_factory=list)
 
     @staticmethod
@@ -238,11 +237,7 @@ class StackSection:
     def add(self, line: str) -> None:
         """Read one line of the section; StackLinesError when it is malformed or out of place."""
         if line.startswith(STACKS_LINE):
-            pairs = _pairs(line[len(STACKS_LINE) :])
-            self.in_flight = _unfield(pairs.get("in_flight", "-"))
-            self.in_flight_since_ns = (
-                _number(pairs, "in_flight_since_ns") if "in_flight_since_ns" in pairs else 0
-            )
+            _pairs(line[len(STACKS_LINE) :])
         elif line.startswith(THREAD_LINE):
             pairs = _pairs(line[len(THREAD_LINE) :])
             stack = ThreadStack(

@@ -152,6 +152,8 @@ class Watchdog:
 
     def dump(self, reason: str) -> Path | None:
         """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
+        if self.fallback is not None:
+            self.fallback.tick()  # a full timeout for the dump itself: a slow one is no starved watchdog
         with self._dump_lock, gc_paused():
             try:
                 self.recorder.publish()

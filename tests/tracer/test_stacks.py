@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.tracer.dumpfile import read_dump, write_dump
+from megatrace.tracer.dumpfile import DumpFormatError, read_dump, write_dump
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     DTYPE_CODES,
@@ -240,4 +240,22 @@ def test_the_fallback_cleans_up_after_itself_and_can_be_turned_off(tmp_path: Pat
     off.start_thread()
     assert off.fallback is None and list(job_dir.glob("*.stacks")) == []
     off.stop()
+    rec.writer.close()
+
+
+def test_bad_stack_lines_are_named_errors(tmp_path: Path) -> None:
+    rec = make_recorder(tmp_path / "job")
+    dog = Watchdog(rec, tmp_path / "job", 3, STALL_NS)
+    path = dog.dump("signal")
+    text = path.read_text()
+    first_frame = next(line for line in text.splitlines() if line.startswith("# frame "))
+    path.write_text(text.replace(first_frame, first_frame.replace(" line=", " line=x"), 1))
+    with pytest.raises(DumpFormatError, match=r"\.dump:\d+: line= is not a number"):
+        read_dump(path)
+    path.write_text(text.replace("# thread id=", "# thread id=zz", 1))
+    with pytest.raises(DumpFormatError, match=r"\.dump:\d+: id= is not a number"):
+        read_dump(path)
+    path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("# thread ")))
+    with pytest.raises(DumpFormatError, match=r"\.dump:\d+: a frame line before any thread line"):
+        read_dump(path)
     rec.writer.close()
