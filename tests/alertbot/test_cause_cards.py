@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.incident import CAUSE_NAMES
 from megatrace.alertbot.node_findings import Finding, cause_from_nodes
-from tests.alertbot.conftest import Bot, config, webhook
-from tests.alertbot.test_incident import T0, VERDICT, drilldown, job_hang, rank_hangs, text
+from tests.alertbot.test_incident import VERDICT, text, verdict_delivered
 
 WHY = {
     "cpu_quota": (
@@ -37,15 +35,7 @@ WHY = {
 
 
 def card_after_verdict(tmp_path: Path, verdict: dict) -> str:
-    settings, gate = drilldown(tmp_path, wait=0.0, verdict=verdict)
-    gate.touch()
-    bot = Bot(config(tmp_path, drilldown=settings))
-    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
-    bot.receive(webhook(job_hang(), *rank_hangs()), T0)
-    bot.drain()
-    (row,) = bot.store.incidents.pending_drilldowns()
-    runner.run(row.id)
-    bot.drain()
+    bot, runner = verdict_delivered(tmp_path, verdict)
     runner.shutdown()
     return text(bot.console()[-1]["card"])
 

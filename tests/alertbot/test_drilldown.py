@@ -192,15 +192,18 @@ class Exposition(http.server.BaseHTTPRequestHandler):
 
     scrapes = 0
 
-    def do_GET(self) -> None:
+    def body(self) -> bytes:
         Exposition.scrapes += 1
         n = Exposition.scrapes
-        body = (
+        return (
             f'megatrace_gpu_xid_errors_total{{gpu="3",uuid="GPU-3",xid="79"}} {n}\n'
             'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="hw_thermal_slowdown"} 1\n'
             'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="sw_power_cap"} 0\n'
             f'megatrace_infiniband_link_downed_total{{device="mlx5_1",port="1"}} {2 * n}\n'
         ).encode()
+
+    def do_GET(self) -> None:
+        body = self.body()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -229,23 +232,15 @@ def prometheus_with_node(tmp_path: Path) -> Iterator[str]:
     node.shutdown()
 
 
-class CleanNode(http.server.BaseHTTPRequestHandler):
+class CleanNode(Exposition):
     """A node whose GPU 3 and IB port are healthy: no clock event, no XID, no link errors."""
 
-    def do_GET(self) -> None:
-        body = (
+    def body(self) -> bytes:
+        return (
             b'megatrace_gpu_xid_errors_total{gpu="3",uuid="GPU-3b",xid="79"} 0\n'
             b'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3b",reason="hw_thermal_slowdown"} 0\n'
             b'megatrace_infiniband_link_downed_total{device="mlx5_1",port="1"} 0\n'
         )
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.mark.slow
