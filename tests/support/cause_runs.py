@@ -3,7 +3,8 @@ applied to its ranks while it runs, and analyze its traces.
 
 `run_faulted` starts the job, finds each rank's process (by an id put in the job's environment), calls
 `prepare(pids)` at once (to pin ranks, move them into cgroups), samples their /proc counters, calls
-`strike()` once every rank finished step 1 (to start hogs, set limits), then waits for the job's end or,
+`strike()` once every rank finished step 1 (to start hogs, set limits), `release()` once the log shows
+`release_at` (the last step: a throttled rank would take long to shut down), then waits for the job's end or,
 when `hang_mark` names the log line a rank writes before it blocks, until every rank wrote a stall dump
 (all but one, and 8 s more: a rank blocked in C while holding the GIL may write none) and
 `while_hung(pids)` has looked at the blocked rank; then it stops the job and runs ``megatrace
@@ -119,6 +120,8 @@ def run_faulted(
     strike: Callable[[], None] = lambda: None,
     hang_mark: str = "",
     while_hung: Callable[[dict[int, int]], None] = lambda pids: None,
+    release_at: str = "",
+    release: Callable[[], None] = lambda: None,
     timeout: float = 150.0,
 ) -> CauseRun:
     """Run the job with `world` ranks (see the module's docstring); the job must end well unless hung."""
@@ -169,6 +172,15 @@ def run_faulted(
             dumped = set(stall_dumps(trace_dir / job, since))
             while_hung(pids)
         else:
+            if release_at:
+                _wait(
+                    "the last step",
+                    lambda: release_at in log_path.read_text(errors="replace"),
+                    proc,
+                    log_path,
+                    timeout,
+                )
+                release()
             proc.wait(timeout=timeout)
             assert proc.returncode == 0, log_path.read_text(errors="replace")[-4000:]
     finally:
