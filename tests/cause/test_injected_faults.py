@@ -187,6 +187,7 @@ def test_throttled_reads_of_the_culprits_loader_are_an_io_stall(tmp_path: Path, 
     # the culprit read its batches (64 KiB each) through the throttle, each taking what the rate allows
     assert read >= (STEPS - FROM_STEP) // 2 * (64 << 10) and slowdown > 2, took
     assert run.local_s(p.culprit, FROM_STEP) > 0.8 * (64 << 10) / rate, took
+    assert waits.get(p.culprit, 0) > max(waits.get(r, 0) for r in peers(run, p.culprit)), took
     assert_slow_named(run, p.culprit)
     record_row("reads throttled on a loop device (O_DIRECT loader)", p, "io_stall", run.why, took)
     assert_why(run, p.culprit, "io_stall")
