@@ -70,7 +70,7 @@ class CauseRun:
         return (suspects[0]["rank"], suspects[0]["kind"]) if suspects else None
 
 
-def _rank_pids(run_id: str, world: int) -> dict[int, int]:
+def _run_processes(run_id: str) -> dict[int, int]:
     """The job's worker processes now (rank → pid), found by their environment."""
     found = {}
     for proc in Path("/proc").iterdir():
@@ -82,7 +82,25 @@ def _rank_pids(run_id: str, world: int) -> dict[int, int]:
             )
             if env.get(RUN_ID.encode()) == run_id.encode() and b"LOCAL_RANK" in env:
                 found[int(env[b"RANK"])] = int(proc.name)
+    return found
+
+
+def _rank_pids(run_id: str, world: int) -> dict[int, int]:
+    """Every rank's process once all `world` have started, else {}."""
+    found = _run_processes(run_id)
     return found if len(found) == world else {}
+
+
+def _kill_ranks(run_id: str) -> None:
+    """Kill the job's workers that outlived the launcher (torchrun starts each in a session of its own:
+    a rank stuck in C, or one waiting for it in a collective, would live on) and wait until they are gone."""
+    deadline = time.monotonic() + 10
+    while (left := _run_processes(run_id)) and time.monotonic() < deadline:
+        for pid in left.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    assert not left, f"ranks {sorted(left)} of the job outlived SIGKILL"
 
 
 def _wait(what: str, until: Callable[[], object], proc: subprocess.Popen, log: Path, timeout: float):
@@ -188,5 +206,6 @@ def run_faulted(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _kill_ranks(run_id)
     code, report = analyze(trace_dir / job)
     return CauseRun(trace_dir / job, log_path.read_text(errors="replace"), pids, watch, report, code, dumped)
