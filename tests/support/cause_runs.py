@@ -3,7 +3,8 @@ applied to its ranks while it runs, and analyze its traces.
 
 `run_faulted` starts the job, finds each rank's process (by an id put in the job's environment), calls
 `prepare(pids)` at once (to pin ranks, move them into cgroups), samples their /proc counters, calls
-`strike()` once every rank finished step 1 (to start hogs, set limits), then waits for the job's end or,
+`strike()` once every rank finished step 1 (to start hogs, set limits), `release()` once the log shows
+`release_at` (the last step: a throttled rank would take long to shut down), then waits for the job's end or,
 when `hang_mark` names the log line a rank writes before it blocks, until every rank wrote a stall dump
 (all but one, and 8 s more: a rank blocked in C while holding the GIL may write none) and
 `while_hung(pids)` has looked at the blocked rank; then it stops the job and runs ``megatrace
@@ -69,7 +70,7 @@ class CauseRun:
         return (suspects[0]["rank"], suspects[0]["kind"]) if suspects else None
 
 
-def _rank_pids(run_id: str, world: int) -> dict[int, int]:
+def _run_processes(run_id: str) -> dict[int, int]:
     """The job's worker processes now (rank → pid), found by their environment."""
     found = {}
     for proc in Path("/proc").iterdir():
@@ -81,7 +82,25 @@ def _rank_pids(run_id: str, world: int) -> dict[int, int]:
             )
             if env.get(RUN_ID.encode()) == run_id.encode() and b"LOCAL_RANK" in env:
                 found[int(env[b"RANK"])] = int(proc.name)
+    return found
+
+
+def _rank_pids(run_id: str, world: int) -> dict[int, int]:
+    """Every rank's process once all `world` have started, else {}."""
+    found = _run_processes(run_id)
     return found if len(found) == world else {}
+
+
+def _kill_ranks(run_id: str) -> None:
+    """Kill the job's workers that outlived the launcher (torchrun starts each in a session of its own:
+    a rank stuck in C, or one waiting for it in a collective, would live on) and wait until they are gone."""
+    deadline = time.monotonic() + 10
+    while (left := _run_processes(run_id)) and time.monotonic() < deadline:
+        for pid in left.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    assert not left, f"ranks {sorted(left)} of the job outlived SIGKILL"
 
 
 def _wait(what: str, until: Callable[[], object], proc: subprocess.Popen, log: Path, timeout: float):
@@ -119,6 +138,8 @@ def run_faulted(
     strike: Callable[[], None] = lambda: None,
     hang_mark: str = "",
     while_hung: Callable[[dict[int, int]], None] = lambda pids: None,
+    release_at: str = "",
+    release: Callable[[], None] = lambda: None,
     timeout: float = 150.0,
 ) -> CauseRun:
     """Run the job with `world` ranks (see the module's docstring); the job must end well unless hung."""
@@ -169,6 +190,15 @@ def run_faulted(
             dumped = set(stall_dumps(trace_dir / job, since))
             while_hung(pids)
         else:
+            if release_at:
+                _wait(
+                    "the last step",
+                    lambda: release_at in log_path.read_text(errors="replace"),
+                    proc,
+                    log_path,
+                    timeout,
+                )
+                release()
             proc.wait(timeout=timeout)
             assert proc.returncode == 0, log_path.read_text(errors="replace")[-4000:]
     finally:
@@ -176,5 +206,6 @@ def run_faulted(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _kill_ranks(run_id)
     code, report = analyze(trace_dir / job)
     return CauseRun(trace_dir / job, log_path.read_text(errors="replace"), pids, watch, report, code, dumped)

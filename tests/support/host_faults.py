@@ -77,6 +77,13 @@ class RankCgroup:
         self._file("cpu", "cpu.cfs_period_us").write_text(str(period_us))
         self._file("cpu", "cpu.cfs_quota_us").write_text(str(quota_us))
 
+    def lift_cpu_limit(self) -> None:
+        """No quota any more (v1 ``cpu.cfs_quota_us`` -1, v2 ``cpu.max`` max)."""
+        if self.version == 2:
+            self._file("cpu", "cpu.max").write_text("max")
+            return
+        self._file("cpu", "cpu.cfs_quota_us").write_text("-1")
+
     def cpu_stat(self) -> dict[str, int]:
         """``cpu.stat``: nr_periods and nr_throttled on both versions (throttled_time ns on v1,
         throttled_usec on v2)."""
@@ -190,6 +197,7 @@ class CpuHogs:
     count: int
     nice: int = 0
     procs: list[subprocess.Popen] = field(default_factory=list)
+    spent: list[float] = field(default_factory=list)
 
     def start(self) -> None:
         for _ in range(self.count):
@@ -203,13 +211,19 @@ class CpuHogs:
         """CPU time each hog has used so far."""
         return [cpu_seconds(proc.pid) for proc in self.procs]
 
+    def stop(self) -> None:
+        """Kill the hogs (their CPU time stays readable in `spent`)."""
+        self.spent = self.cpu_seconds() if self.procs and not self.spent else self.spent
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.procs = []
+
     def __enter__(self) -> CpuHogs:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
+        self.stop()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -329,12 +343,14 @@ def proc_counters(pid: int) -> ProcCounters:
 @dataclass
 class ProcWatch:
     """Samples the counters of `pids` (rank → pid) every `every_s` from `start()`; `first` and `last`
-    hold each rank's earliest and latest reading (the last one from before the process ended)."""
+    hold each rank's earliest and latest reading (the last one from before the process ended),
+    `io_waits` how many samples found its main thread waiting for I/O (state D)."""
 
     pids: dict[int, int]
     every_s: float = 0.25
     first: dict[int, ProcCounters] = field(default_factory=dict)
     last: dict[int, ProcCounters] = field(default_factory=dict)
+    io_waits: dict[int, int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -349,6 +365,8 @@ class ProcWatch:
                 now = proc_counters(pid)
                 self.first.setdefault(rank, now)
                 self.last[rank] = now
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                self.io_waits[rank] = self.io_waits.get(rank, 0) + (state == "D")
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
