@@ -323,6 +323,67 @@ def test_a_real_cgroup_v1_cpu_quota_moves_the_throttle_counters(tmp_path: Path) 
         group.rmdir()
 
 
+PRESSURE_CHILD = textwrap.dedent(
+    """
+    import subprocess, sys
+    from pathlib import Path
+    from megatrace.tracer.host_signals import HostSampler
+    from megatrace.tracer.ringfile import RankIdentity, RingWriter
+
+    sys.stdin.readline()  # the test has moved this process into its cgroup v2
+    writer = RingWriter(Path(sys.argv[1]), RankIdentity("p", 0, 0, 1, "h", 1, 1), capacity=16)
+    sampler = HostSampler(writer, 10**9)
+    print(sampler.cgroup.pressure, flush=True)
+    burn = [sys.executable, "-c", "while True: pass"]
+    burners = [subprocess.Popen(burn) for _ in range(4)]  # more runnable tasks than this machine's CPUs
+    try:
+        for _ in range(600):
+            if sampler.sample().cpu_pressure_ns > 0:
+                break
+            __import__("time").sleep(0.05)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    writer.close()
+    """
+)
+
+
+def test_a_real_cgroup_v2_gives_its_own_pressure(tmp_path: Path) -> None:
+    """A cgroup made here in the unified hierarchy (this machine mounts it beside the v1 controllers,
+    with no controller, but every v2 cgroup has its pressure files): a process in it whose children
+    contend for the CPUs reads the pressure of its own cgroup, not of the root's."""
+    unified = Path("/sys/fs/cgroup/unified")
+    assert (unified / "cpu.pressure").exists(), "this machine mounts cgroup2 with pressure accounting"
+    group = unified / f"megatrace-test-{os.getpid()}"
+    group.mkdir()
+    child = None
+    try:
+        path = tmp_path / "p.trace"
+        child = subprocess.Popen(
+            [sys.executable, "-c", PRESSURE_CHILD, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        (group / "cgroup.procs").write_text(str(child.pid))
+        out, _ = child.communicate("go\n", timeout=300)
+        assert child.returncode == 0
+        assert out.split()[0] == str(group)
+        last = read_header(path).host_samples[-1]
+        some = dict(
+            item.split("=") for item in (group / "cpu.pressure").read_text().split("\n")[0].split()[1:]
+        )
+        # the cgroup was made by this test, so its pressure started at 0; the kernel's own file agrees
+        assert 0 < last.cpu_pressure_ns <= int(some["total"]) * 1000
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        group.rmdir()
+
+
 def test_the_sample_ring_keeps_the_newest_and_skips_a_slot_caught_mid_write(tmp_path: Path) -> None:
     writer = writer_in(tmp_path)
     rank = sampler(writer, v1_tree(tmp_path)[0], delayacct=False)
