@@ -21,7 +21,7 @@ import markupsafe
 
 from megatrace.alertbot import escape
 from megatrace.alertbot.config import LinksConfig
-from megatrace.alertbot.incident import Incident, next_step, pending_text
+from megatrace.alertbot.incident import Incident, cause_text, next_step, pending_text
 from megatrace.alertbot.incident import headline as incident_headline
 from megatrace.alertbot.kinds import EpisodeStatus, NotificationKind
 from megatrace.alertbot.notification import CardContext, CardSpec, Link, Notification
@@ -366,6 +366,7 @@ def incident_context(incident: Incident, budget: int) -> dict[str, Any]:
         },
         "pending": pending_text(incident)[:budget],
         "next_step": next_step(incident),
+        "why": cause_text(incident)[:budget],
         "others": rank_list(incident.others) if incident.others else "",
         "no_data": [
             f"{rank_list(item.get('ranks', []))}: {item.get('reason', '')}"[:budget]

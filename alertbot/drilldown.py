@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import subprocess
 import sys
 import tempfile
@@ -24,20 +23,13 @@ from megatrace.alertbot.config import DrilldownConfig
 from megatrace.alertbot.gather import Gathered, GatherError, gather
 from megatrace.alertbot.kinds import DrilldownState
 from megatrace.alertbot.metrics import BotMetrics
+from megatrace.alertbot.node_findings import cause_from_nodes, node_findings
 from megatrace.alertbot.pipeline import Pipeline
 from megatrace.analyzer.uncollected import format_ranks
 from megatrace.exporters.trace_store import JOB_NAME
 from megatrace.tracer.ringfile import RingFormatError, read_header
 
 log = logging.getLogger(__name__)
-
-HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
-IB_COUNTERS = (
-    "link_downed_total",
-    "link_error_recovery_total",
-    "port_errors_received_total",
-    "port_discards_received_total",
-)
 
 
 def resolve_trace_dir(roots: list[str], job: str) -> Path | None:
@@ -93,62 +85,6 @@ def run_analyzer(
     ):
         return {"error": "the analyzer's report has no verdict/suspects"}
     return report
-
-
-def _promql_host(host: str) -> str:
-    return re.escape(host).replace("\\", "\\\\")
-
-
-def prometheus_hints(
-    url: str, host: str, lookback_s: float, timeout: float = 10.0, connect_timeout: float = 3.0
-) -> list[str]:
-    """GPU clock events, XID errors and IB error counters on `host` in the last `lookback_s`.
-
-    Each request waits at most `timeout` seconds (`connect_timeout` to connect) and is not retried: a
-    Prometheus that accepts the connection and never answers costs one timeout, one partitioned away
-    one connect timeout, and the hint says it could not be asked."""
-    from prometheus_api_client import PrometheusApiClientException, PrometheusConnect
-    from urllib3.util.retry import Retry
-
-    if not url or not HOST_NAME.fullmatch(host):
-        return []
-    window = f"{max(60, int(lookback_s))}s"
-    minutes = f"{max(1, int(lookback_s // 60))} min"
-    where = f'instance=~"{_promql_host(host)}(:[0-9]+)?"'
-    queries = [
-        (
-            f"max_over_time(megatrace_gpu_clock_event_active{{{where}}}[{window}]) > 0",
-            lambda m, v: f"GPU {m.get('gpu', '?')}: clock event {m.get('reason', '?')} in the last {minutes}",
-        ),
-        (
-            f"increase(megatrace_gpu_xid_errors_total{{{where}}}[{window}]) > 0",
-            lambda m, v: (
-                f"GPU {m.get('gpu', '?')}: {v:.0f} XID {m.get('xid', '?')} error(s) in the last {minutes}"
-            ),
-        ),
-    ] + [
-        (
-            f"increase(megatrace_infiniband_{counter}{{{where}}}[{window}]) > 0",
-            lambda m, v, c=counter: (
-                f"{m.get('device', '?')} port {m.get('port', '?')}: {c} +{v:.0f} in the last {minutes}"
-            ),
-        )
-        for counter in IB_COUNTERS
-    ]
-    hints = []
-    try:
-        prom = PrometheusConnect(
-            url=url,
-            disable_ssl=True,
-            timeout=(min(connect_timeout, timeout), timeout),
-            retry=Retry(total=0, read=False),
-        )
-        for query, describe in queries:
-            for sample in prom.custom_query(query, params={"timeout": f"{max(1, int(timeout))}s"}):
-                hints.append(describe(sample.get("metric", {}), float(sample["value"][1])))
-    except (PrometheusApiClientException, OSError, ValueError, KeyError) as exc:
-        hints.append(f"Prometheus could not be asked about {host}: {type(exc).__name__}")
-    return hints
 
 
 def from_directory(cfg: DrilldownConfig, job: str, _scratch: Path) -> Gathered | str:
@@ -249,24 +185,38 @@ class DrilldownRunner:
                 self.cfg.analyzer_command, found.directory, self.cfg.timeout_s, found.uncollected
             )
         report = name_suspects(report, found.placement)
-        hosts = {
-            str(s.get("agent") or s.get("host"))
-            for s in report.get("suspects", [])[:2]
-            if isinstance(s, dict) and (s.get("agent") or s.get("host"))
-        }
-        hints = []
-        for host in sorted(hosts):
-            hints += prometheus_hints(
-                self.cfg.prometheus_url,
-                str(host),
-                self.cfg.hint_lookback_s,
-                connect_timeout=self.cfg.agents.connect_timeout_s,
-            )
         if found.no_data:
             report["no_data"] = no_data_summary(found.no_data)
         if found.notes:
             report["gather_notes"] = found.notes
-        return report | {"hints": hints}
+        return report | {"hints": self.node_hints(report, found.placement)}
+
+    def node_hints(self, report: dict[str, Any], placement: dict[int, dict[str, Any]]) -> list[str]:
+        """The card's hints about the first two suspects' nodes; where the analyzer named no host cause
+        (`why` unknown), also the GPU or network class when the culprit's GPU or node stands out."""
+        suspects = [s for s in report.get("suspects", [])[:2] if isinstance(s, dict)]
+        hosts = [str(s.get("agent") or s.get("host")) for s in suspects if s.get("agent") or s.get("host")]
+        why = report.get("why")
+        unexplained = isinstance(why, dict) and why.get("class") == "unknown" and suspects
+        peer_hosts = [str(p.get("agent") or p.get("host") or "") for p in placement.values()]
+        findings, error = node_findings(
+            self.cfg.prometheus_url,
+            [host for host in hosts + (peer_hosts if unexplained else []) if host],
+            self.cfg.hint_lookback_s,
+            connect_timeout=self.cfg.agents.connect_timeout_s,
+        )
+        if unexplained and isinstance(why, dict):
+            culprit = {**suspects[0], "host": hosts[0] if hosts else ""}
+            peers = [
+                {**p, "host": p.get("agent") or p.get("host")}
+                for rank, p in placement.items()
+                if rank != suspects[0].get("rank")
+            ]
+            named = cause_from_nodes(culprit, peers, findings)
+            if named is not None:
+                why.update(named)
+        hints = [f.text for host in sorted(set(hosts)) for f in findings if f.host == host]
+        return hints + ([error] if error else [])
 
     def run(self, drilldown_id: int) -> None:
         try:

@@ -26,7 +26,7 @@ import requests
 
 from megatrace.alertbot.config import AgentsConfig
 from megatrace.alertbot.discovery import Agent, Discovered, GatherError, discover
-from megatrace.exporters.trace_store import DUMP_NAME
+from megatrace.exporters.trace_store import DUMP_NAME, STACKS_NAME
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
     placement: dict[int, dict[str, Any]] = {}
     fetched = 0
     got: set[int] = set()
+    stack_notes: list[str] = []
     lock = threading.Lock()
 
     def listing(agent: Agent) -> tuple[Agent, dict[str, Any] | str]:
@@ -189,9 +190,28 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
                 no_data[rank] = f"{agent.describe()}: {exc}"
                 uncollected.add(rank)
             return
+        size += fetch_stacks(agent, item)
         with lock:
             fetched += size
             got.add(rank)
+
+    def fetch_stacks(agent: Agent, item: dict[str, Any]) -> int:
+        """The rank's newest stacks file (its threads' stacks when its watchdog could not run):
+        optional, so a failure is a note, not a rank without data."""
+        stacks = [str(name) for name in item.get("stacks", []) if STACKS_NAME.fullmatch(str(name))]
+        if not stacks:
+            return 0
+        rank = int(item["rank"])
+        try:
+            return client.get(
+                agent, f"/v1/jobs/{job}/stacks/{stacks[-1]}", None, directory / f"rank-{rank}.stacks"
+            )
+        except RuntimeError as exc:
+            with lock:
+                stack_notes.append(
+                    f"rank {rank}: stacks file {stacks[-1]} not fetched from {agent.describe()}: {exc}"
+                )
+            return 0
 
     with ThreadPoolExecutor(max_workers=max(1, cfg.parallel), thread_name_prefix="gather") as pool:
         listings = dict(pool.map(listing, found.agents))
@@ -200,7 +220,7 @@ def gather(job: str, prometheus_url: str, cfg: AgentsConfig, directory: Path) ->
         for future in jobs:
             future.result()
     missing = {rank: why for rank, why in sorted(no_data.items()) if rank not in got}
-    notes = [found.note] if found.note else []
+    notes = ([found.note] if found.note else []) + sorted(stack_notes)
     return Gathered(directory, placement, missing, fetched, uncollected - got, notes)
 
 

@@ -194,10 +194,75 @@ PAUSE_STEPS = {
 }
 
 
+# What to do first for each cause class the drill-down names (`why.class`; docs/analyzer.md).
+CAUSE_STEPS = {
+    "gpu": "Check the GPU of {rank} on {node} (the clock event or XID in the hints); if it is faulty, drain "
+    "the node and restart job {job} from its last checkpoint.",
+    "network": "Check the InfiniBand/RoCE ports of {node} (the error counters in the hints); if a link is "
+    "bad, drain the node and restart job {job} from its last checkpoint.",
+    "cpu_contention": "Find what else runs on the CPUs of {rank} on {node} (another process or pod takes "
+    "them); move it away or give the rank its own cores.",
+    "cpu_quota": "Raise or remove the CPU limit of {rank}'s container: its cgroup's quota throttles it, and "
+    "the other ranks of job {job} wait for it.",
+    "memory_pressure": "Raise the memory limit of {rank}'s container or cut its host memory use (data-loader "
+    "workers, pinned buffers): it is at its limit and pages.",
+    "io_stall": "Check the storage {rank} reads on {node} (a slow or throttled disk, a hung mount): its main "
+    "thread waits on I/O.",
+    "dataloader": "Speed up {rank}'s data loading (more DataLoader workers, faster preprocessing or "
+    "storage): the other ranks of job {job} wait for its batches.",
+    "gc": "Cut {rank}'s garbage-collection pauses (reference cycles built each step; `gc.freeze()` after "
+    "setup): they stall its training loop.",
+    "python": "Look at what {rank} is doing {where}: a lock, a file or a blocking call outside any "
+    "collective; the other ranks of job {job} wait for it.",
+}
+
+
+def cause_of(incident: Incident) -> dict[str, Any] | None:
+    """The drill-down's cause class (`why`) when it is about the card's culprit and names a class."""
+    why = incident.verdict.get("why")
+    culprit = incident.culprit
+    if not isinstance(why, dict) or culprit is None or why.get("class") not in CAUSE_STEPS:
+        return None
+    return why if str(why.get("rank")) == culprit.rank else None
+
+
+CAUSE_NAMES = {
+    "gpu": "GPU",
+    "network": "network",
+    "cpu_contention": "host CPU contention",
+    "cpu_quota": "CPU quota",
+    "memory_pressure": "memory pressure",
+    "io_stall": "I/O stall",
+    "dataloader": "data loader",
+    "gc": "garbage collection",
+    "python": "stuck in Python",
+}
+
+
+def cause_text(incident: Incident) -> str:
+    """The card's "Why" line: the class and its evidence, or where a rank stuck in Python is ("" when
+    no class is named)."""
+    why = cause_of(incident)
+    if why is None:
+        return ""
+    name = CAUSE_NAMES[str(why["class"])]
+    if why.get("where"):
+        return f"{name}: rank {why['rank']} is {why['where']}"
+    return f"{name}: {why.get('evidence', '')}"
+
+
 def next_step(incident: Incident) -> str:
     """What the person on call does first."""
     culprit, job = incident.culprit, incident.job
     node = culprit.node if culprit and culprit.node else ""
+    why = cause_of(incident)
+    if why is not None and culprit is not None:
+        return CAUSE_STEPS[str(why["class"])].format(
+            rank=f"rank {culprit.rank}",
+            node=f"node {node}" if node else "its node",
+            job=job,
+            where=why.get("where") or "where it is stuck",
+        )
     if incident.kind == IncidentKind.SLOW:
         target = f"node {node}" if node else "the slow rank's node"
         return (

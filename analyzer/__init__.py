@@ -48,6 +48,7 @@ def run(
 def _analyze_table(
     table, loaded, layout: Layout | LayoutConfig | None, stall_s: float, uncollected: frozenset[int]
 ):
+    from megatrace.analyzer.cause import explain
     from megatrace.analyzer.hang import detect_hang
     from megatrace.analyzer.infer import check_given, infer_layout
     from megatrace.analyzer.report import analysis_report
@@ -77,6 +78,9 @@ def _analyze_table(
     if len(table) == 0 and table.ranks:  # files read, but no rank issued a collective: nothing to judge
         report |= {"verdict": "no-data", "suspects": [], "victims": []}
         report["notes"].append("the trace files hold no collective call of any rank: nothing to judge")
+    why = explain(table, report)
+    if why is not None:
+        report["why"] = why
     return report, table
 
 

@@ -12,10 +12,12 @@ from typing import Any
 from megatrace.analyzer.flight_recorder import READER as FLIGHT_RECORDER
 from megatrace.analyzer.nccl_comms import READER as NCCL_LOG
 from megatrace.analyzer.reader_api import Reader
-from megatrace.analyzer.tracer_formats import DUMP, RING
+from megatrace.analyzer.tracer_formats import DUMP, RING, STACKS
 from megatrace.config import ConfigError, validate
 
-READERS: dict[str, Reader] = {reader.name: reader for reader in (RING, DUMP, NCCL_LOG, FLIGHT_RECORDER)}
+READERS: dict[str, Reader] = {
+    reader.name: reader for reader in (RING, DUMP, STACKS, NCCL_LOG, FLIGHT_RECORDER)
+}
 
 
 def reader_settings(options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:

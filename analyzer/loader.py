@@ -20,8 +20,9 @@ from megatrace.analyzer.formats import READERS, detect, reader_settings
 from megatrace.analyzer.layout import Layout, LayoutConfig, resolve
 from megatrace.analyzer.progress import Progress
 from megatrace.analyzer.reader_api import Reader, ReaderError
-from megatrace.analyzer.table import RankCalls, TableBuilder, TraceTable
+from megatrace.analyzer.table import RankCalls, RankStacks, TableBuilder, TraceTable
 from megatrace.regular_files import open_regular
+from megatrace.tracer.stacks import ThreadStack
 
 HEAD_BYTES = 4096
 
@@ -134,7 +135,9 @@ def _parse_all(
             continue
         reader, item = got
         report.files_by_format[reader.name] = report.files_by_format.get(reader.name, 0) + 1
-        job = item.info.job if isinstance(item, RankCalls) else ""
+        job = (
+            item.info.job if isinstance(item, RankCalls) else item.job if isinstance(item, RankStacks) else ""
+        )
         jobs.setdefault(job, {}).setdefault(reader.name, []).append(item)
     bar.close()
     return jobs, report
@@ -194,20 +197,37 @@ def _table(
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
     seen_until: dict[int, int] = {}  # the latest any file shows of a rank (a stall dump after the ring)
+    stacks: dict[int, tuple[int, tuple[ThreadStack, ...]]] = {}  # each rank's newest stacks, from any file
     for name, items in parsed.items():
+        for item in items:
+            if isinstance(item, RankStacks) and item.stacks:
+                _newest_stacks(stacks, item.rank, item.taken_ns, item.stacks)
         for calls in READERS[name].resolve(items, layout):
             _keep_best(by_rank, name, calls, report)
             seen_until[calls.rank] = max(seen_until.get(calls.rank, 0), calls.info.observed_until_ns)
+            if calls.info.stacks:
+                _newest_stacks(stacks, calls.rank, calls.info.observed_until_ns, calls.info.stacks)
     builder = TableBuilder()
     for rank in sorted(by_rank):
         calls = by_rank[rank][3]
         calls.info.observed_until_ns = seen_until[rank]
+        calls.info.stacks_ns, calls.info.stacks = stacks.get(rank, (0, ()))
         builder.add(calls, calls.info.source)
     table = builder.build()
     # what the per-rank arrays left in glibc's heap (the small ones) goes back to the system too
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
     return table
+
+
+def _newest_stacks(
+    found: dict[int, tuple[int, tuple[ThreadStack, ...]]],
+    rank: int,
+    taken_ns: int,
+    stacks: tuple[ThreadStack, ...],
+) -> None:
+    if rank not in found or taken_ns > found[rank][0]:
+        found[rank] = (taken_ns, stacks)
 
 
 def _rank_of(item: object) -> int:

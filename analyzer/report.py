@@ -146,6 +146,10 @@ def render_text(report: dict) -> str:
         where = f" on {top['host']}" if top.get("host") else ""
         head = f"{verdict.upper()}: rank {top['rank']}{where} — {top['evidence']}"
     lines = [head, ""]
+    if report.get("why"):
+        why = report["why"]
+        where = f" — {why['where']}" if why.get("where") else ""
+        lines += [f"why: {why['class']}{where} — {why['evidence']}", ""]
     if suspects:
         lines.append(f"{'rank':>6}  {'kind':<5} {'conf':>5}  {'host':<16} {'position':<28} evidence")
         for s in suspects:

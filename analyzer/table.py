@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megatrace.tracer.ringfile import HostSample
+from megatrace.tracer.stacks import ThreadStack
+
 COLUMNS: dict[str, str] = {
     "rank": "i4",
     "comm": "i4",
@@ -47,6 +50,13 @@ class RankInfo:
     observed_until_ns: int = 0
     # observed_until_ns is the time of reading: the writer is alive, or cannot be told dead
     observed_live: bool = False
+    # Our tracer's files only: the host samples of the ring header (oldest first), the span records
+    # (pauses, GC; RECORD_DTYPE rows), and every thread's Python stack from the rank's newest
+    # stall/signal dump or stacks file, with when it was taken. What `analyzer.cause` compares.
+    host_samples: tuple[HostSample, ...] = ()
+    spans: np.ndarray | None = None
+    stacks: tuple[ThreadStack, ...] = ()
+    stacks_ns: int = 0
 
 
 @dataclass
@@ -102,6 +112,17 @@ class RankCalls:
     columns: dict[str, np.ndarray]
     comms: list[tuple[object, tuple[int, ...], bool]]
     info: RankInfo
+
+
+@dataclass
+class RankStacks:
+    """A rank's thread stacks from a file that holds no calls (the tracer's stacks file), taken at
+    `taken_ns`; the loader gives them to the rank's `RankInfo` when no newer stacks are found."""
+
+    rank: int
+    job: str
+    taken_ns: int
+    stacks: tuple[ThreadStack, ...]
 
 
 class TableBuilder:

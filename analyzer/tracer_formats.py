@@ -1,4 +1,5 @@
-"""Our tracer's ring files and stall dumps, read with the tracer's own format definitions and readers."""
+"""Our tracer's ring files, stall dumps and stacks files, read with the tracer's own format definitions
+and readers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.reader_api import Parsed, Reader, each_alone
-from megatrace.analyzer.table import RankCalls, RankInfo, empty_columns
+from megatrace.analyzer.table import RankCalls, RankInfo, RankStacks, empty_columns
 from megatrace.regular_files import open_regular
 from megatrace.tracer.dumpfile import DUMP_MAGIC, read_dump
 from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, P2P_OPS, SPAN_NAMES, W_MAGIC
@@ -32,6 +34,7 @@ from megatrace.tracer.ringfile import (
     read_ring,
     writer_holds_lock,
 )
+from megatrace.tracer.stack_fallback import STACKS_MAGIC, read_stacks_file
 
 # a record's op byte -> the table's op code: the same code, "other" for a byte the table lacks
 _OP_MAP = np.full(256, OP_OTHER, dtype=np.uint8)
@@ -88,6 +91,7 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
     that are no op (pause spans) are left out: they are never matched as calls."""
     rec = snapshot.records
     spans = np.isin(rec["op"], list(SPAN_NAMES))
+    span_rows = rec[spans]
     if spans.any():
         rec = rec[~spans]
     header = snapshot.header
@@ -135,6 +139,9 @@ def snapshot_calls(snapshot: RingSnapshot, path: str, fmt: str) -> RankCalls:
         has_completion=True,
         finished=header.finished,
         observed_until_ns=snapshot.taken_ns,
+        host_samples=header.host_samples,
+        spans=span_rows,
+        stacks=snapshot.stacks,
     )
     return RankCalls(rank, cols, comms, info)
 
@@ -160,5 +167,17 @@ def _parse_dump(path: Path, _settings: None) -> Parsed:
     return Parsed(snapshot_calls(read_dump(path), str(path), "dump"))
 
 
+def _parse_stacks(path: Path, _settings: None) -> Parsed:
+    """A stacks file (faulthandler's output when the watchdog could not run), dated by its last change."""
+    found = read_stacks_file(path)
+    return Parsed(RankStacks(found.rank, found.job, path.stat().st_mtime_ns, found.stacks))
+
+
+def no_calls(_items: list[RankStacks], _layout: Layout | None) -> list[RankCalls]:
+    """`resolve` of a format that holds stacks, no calls (the loader hands the stacks to the ranks)."""
+    return []
+
+
 RING = Reader("ring", 3, lambda head: head.startswith(MAGIC), _parse_ring, each_alone)
 DUMP = Reader("dump", 2, lambda head: head.startswith(DUMP_MAGIC.encode()), _parse_dump, each_alone)
+STACKS = Reader("stacks", 0, lambda head: head.startswith(STACKS_MAGIC.encode()), _parse_stacks, no_calls)

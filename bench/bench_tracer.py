@@ -7,6 +7,9 @@ alternating so drift hits all; the figure is the median over rounds of (traced -
 a gloo call's own jitter can dwarf the tracer, each capture is also measured alone: the native one
 in a C++ loop of all-reduces on a backend that completes at once, bare and wrapped; the Python one as
 its wrapper around a no-op with all_reduce's signature and its record path (begin + end, no torch).
+The new spans and samples are measured alone too: the `gc.callbacks` hook per collection (counted only,
+and counted plus a GC span record, through the Python recorder and the native one), and one host sample
+(reading the rank's /proc and cgroup files and writing the header slot; the watchdog thread's cost).
 Then valgrind's callgrind counts instructions: per op on the issuing thread (inclusive cost of the
 bare and the wrapped C++ loop, same run), and on the completion thread. Wall and CPU (thread) time are
 both given: on a shared machine wall time includes time spent preempted. Prints figures; not a test.
@@ -15,6 +18,7 @@ both given: on a shared machine wall time includes time spent preempted. Prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -32,7 +36,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatrace.tracer import native, runtime, wrappers
-from megatrace.tracer.recorder import Recorder
+from megatrace.tracer.gc_spans import GcSpans
+from megatrace.tracer.host_signals import HostSampler
+from megatrace.tracer.recorder import NativeRecorder, Recorder
 from megatrace.tracer.ringfile import DTYPE_CODES, OP_CODES, RankIdentity, RingWriter, comm_id
 from megatrace.tracer.settings import FaultSettings, TraceSettings
 
@@ -166,6 +172,51 @@ def native_loop_ns(module, calls: int, trace_dir: Path) -> dict[str, float]:
     }
 
 
+def gc_hook_ns(module, calls: int, trace_dir: Path) -> dict[str, dict[str, float]]:
+    """CPU ns the GC hook adds per collection (its start and stop callbacks, as the collector calls
+    them): counting only, and counting plus writing a GC span through each recorder. Median of 9."""
+    identity = RankIdentity("bench", 0, 0, 1, "localhost", os.getpid(), time.time_ns())
+    writer = RingWriter(trace_dir / "gc-hook.trace", identity, capacity=65536)
+    module.attach(str(writer.path))
+    recorders = {"python": Recorder(writer, rank=0), "native": NativeRecorder(writer, 0, module)}
+    info = {"generation": 0, "collected": 12, "uncollectable": 0}
+    figures = {}
+    try:
+        for name, recorder, span_ns in (
+            ("counted only", recorders["python"], 1 << 62),
+            ("+ span, python recorder", recorders["python"], 0),
+            ("+ span, native recorder", recorders["native"], 0),
+        ):
+            callback = GcSpans(lambda recorder=recorder: recorder, span_ns)._callback
+
+            def run(callback=callback) -> None:
+                for _ in range(calls):
+                    callback("start", info)
+                    callback("stop", info)
+
+            figures[name] = _summary([_per_call(calls, run) for _ in range(9)])
+    finally:
+        module.detach()
+        writer.close()
+    return figures
+
+
+def host_sample_us(samples: int, trace_dir: Path) -> dict[str, float]:
+    """Microseconds of one host sample of this process (read + write into the header), median of 9
+    batches; and how many signals this host gives (the rest are -1)."""
+    identity = RankIdentity("bench", 0, 0, 1, "localhost", os.getpid(), time.time_ns())
+    writer = RingWriter(trace_dir / "host-sample.trace", identity, capacity=16)
+    sampler = HostSampler(writer, 10**9)
+    try:
+        figures = _summary(
+            [_per_call(samples, lambda: [sampler.sample() for _ in range(samples)]) for _ in range(9)]
+        )
+        available = sum(1 for value in dataclasses.astuple(sampler.read()) if value >= 0)
+    finally:
+        writer.close()
+    return {**{key: value / 1000 for key, value in figures.items()}, "available": available}
+
+
 CALLGRIND_RATE = 10_000  # ops/s the loops run at under callgrind
 
 
@@ -252,6 +303,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="alternating bare/traced rounds")
     parser.add_argument("--callgrind-calls", type=int, default=20000, help="ops per loop under callgrind")
     parser.add_argument("--no-callgrind", action="store_true", help="skip the instruction counts")
+    parser.add_argument("--host-samples", type=int, default=200, help="host samples per timed batch")
     parser.add_argument("--callgrind-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--trace-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -264,6 +316,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         record = record_path_ns(args.calls, Path(tmp))
         loop = native_loop_ns(module, args.calls, Path(tmp))
+        gc_hook = gc_hook_ns(module, args.calls, Path(tmp))
+        host = host_sample_us(args.host_samples, Path(tmp))
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -305,6 +359,14 @@ def main() -> None:
     print(_line(noop))
     print("   its record path alone (Recorder.begin + Recorder.end on a ring file, no torch):")
     print(_line(record))
+    print("4. GC hook per collection (gc.callbacks start + stop; runs in the collecting thread):")
+    for name, figures in gc_hook.items():
+        print(f"   {name:24s}" + _line(figures)[3:].replace("ns/call", "ns/coll"))
+    print(
+        "5. one host sample (watchdog thread; /proc/self + cgroup files,"
+        f" {host['available']:.0f} of 21 fields available here):"
+    )
+    print(f"   wall {host['wall']:7.1f} us   CPU {host['cpu']:7.1f} us (median; min {host['cpu_min']:.1f})")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ is read from ``trace_token_file``, re-read when the file changes, as a mounted S
 - ``/v1/jobs/<job>/ranks/<rank>/ring?last=&after_serial=&since_ns=&until_ns=``: a window of the ring
   as a ring file of its own (`megatrace.exporters.trace_window`);
 - ``/v1/jobs/<job>/dumps/<name>?last=``: one stall dump as written, or with its newest `last` records
-  only (``last=0``: its header, which says when the rank was seen stalled).
+  only (``last=0``: its header, which says when the rank was seen stalled, and its thread stacks);
+- ``/v1/jobs/<job>/stacks/<name>``: one stacks file as written (every thread's stack, written by
+  faulthandler when the rank's watchdog could not run, `megatrace.tracer.stack_fallback`).
 
 Refusals carry a JSON ``{"error": ...}``: 401 without the right token, 400 for a malformed path or
 query (percent-encoded characters are refused outright), 403 for a path that leads out of the trace
@@ -58,6 +60,7 @@ from megatrace.exporters.trace_workers import (
     dump_reply,
     gzip_bytes,
     ring_reply,
+    stacks_reply,
 )
 from megatrace.exporters.tracer_files import trace_dir_setting, writer_alive
 from megatrace.listen import parse_host_port
@@ -279,6 +282,12 @@ class TraceEndpoint:
                 args = (path, window.last, self.max_response_bytes, gzip_ok)
                 body, gzipped = self.workers.run(dump_reply, *args)
                 return Reply(200, body, "text/plain; charset=utf-8", gzipped)
+            case [job, "stacks", name]:
+                if query:
+                    raise Refused(400, "a stacks file is served whole (no query)")
+                path = self.store.stacks(job, name)
+                body, gzipped = self.workers.run(stacks_reply, path, self.max_response_bytes, gzip_ok)
+                return Reply(200, body, "text/plain; charset=utf-8", gzipped)
         raise Refused(404, "not found; see /v1/jobs")
 
     def job(self, job: str) -> dict[str, Any]:
@@ -289,6 +298,7 @@ class TraceEndpoint:
             header = header_or_none(ring)
             item: dict[str, Any] = {"rank": rank, "ring": ring is not None}
             item["dumps"] = [path.name for path in entry.dumps]
+            item["stacks"] = [path.name for path in entry.stacks]
             if ring is not None and header is not None:
                 namespace, pod, container = owners.get(header.device_uuid, ("", "", ""))
                 item |= {

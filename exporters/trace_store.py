@@ -1,8 +1,9 @@
-"""The node's trace files as the trace endpoint sees them: jobs, ranks and stall dumps under one root.
+"""The node's trace files as the trace endpoint sees them: jobs, ranks, stall dumps and stacks files
+under one root.
 
 Every name that comes from a request is checked before it touches the file system (a job name of
-plain characters, a rank number, a dump name of the tracer's form), and every path is resolved and
-must stay inside the trace root: a symlink leading out of it is refused like a ``..``.
+plain characters, a rank number, a dump or stacks file name of the tracer's form), and every path is
+resolved and must stay inside the trace root: a symlink leading out of it is refused like a ``..``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatrace.tracer.ringfile import RingFormatError, RingHeader, read_header
 JOB_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:@+=-]{0,199}")
 DUMP_NAME = re.compile(r"rank-(\d{1,9})\.\d{1,10}\.\d{1,10}\.dump")
 RING_NAME = re.compile(r"rank-(\d{1,9})\.trace")
+STACKS_NAME = re.compile(r"rank-(\d{1,9})\.\d{1,10}\.stacks")
 
 
 class Refused(Exception):
@@ -35,15 +37,18 @@ class Refused(Exception):
 
 @dataclasses.dataclass
 class RankEntry:
-    """One rank of a job found on this node: its ring file (if any) and stall dumps, newest last."""
+    """One rank of a job found on this node: its ring file (if any), stall dumps and stacks files
+    (faulthandler's, `megatrace.tracer.stack_fallback`), newest last."""
 
     rank: int
     ring: Path | None = None
     dumps: list[Path] = dataclasses.field(default_factory=list)
+    stacks: list[Path] = dataclasses.field(default_factory=list)
 
 
 class TraceStore:
-    """Read-only access to ``<root>/<job>/rank-N.trace`` and ``rank-N.<pid>.<k>.dump``."""
+    """Read-only access to ``<root>/<job>/rank-N.trace``, ``rank-N.<pid>.<k>.dump`` and
+    ``rank-N.<pid>.stacks``."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -79,8 +84,12 @@ class TraceStore:
         directory = self.job_dir(job)
         found: dict[int, RankEntry] = {}
         for name in sorted(os.listdir(directory)):
-            ring, dump = RING_NAME.fullmatch(name), DUMP_NAME.fullmatch(name)
-            match = ring or dump
+            ring, dump, stacks = (
+                RING_NAME.fullmatch(name),
+                DUMP_NAME.fullmatch(name),
+                STACKS_NAME.fullmatch(name),
+            )
+            match = ring or dump or stacks
             if match is None or not is_regular(directory / name):
                 continue
             try:
@@ -91,9 +100,10 @@ class TraceStore:
             if ring:
                 entry.ring = path
             else:
-                entry.dumps.append(path)
+                (entry.dumps if dump else entry.stacks).append(path)
         for entry in found.values():
             entry.dumps.sort(key=_mtime)
+            entry.stacks.sort(key=_mtime)
         return dict(sorted(found.items()))
 
     def rank(self, job: str, rank: str) -> RankEntry:
@@ -121,12 +131,20 @@ class TraceStore:
     def dump(self, job: str, name: str) -> Path:
         if not DUMP_NAME.fullmatch(name):
             raise Refused(400, f"{name[:80]!r} is not a stall dump name (rank-N.PID.K.dump)")
+        return self._named(job, name, "dump")
+
+    def stacks(self, job: str, name: str) -> Path:
+        if not STACKS_NAME.fullmatch(name):
+            raise Refused(400, f"{name[:80]!r} is not a stacks file name (rank-N.PID.stacks)")
+        return self._named(job, name, "stacks file")
+
+    def _named(self, job: str, name: str, what: str) -> Path:
         path = self.job_dir(job) / name
         if not path.exists() and not path.is_symlink():
-            raise Refused(404, f"no dump {name!r} of job {job!r}")
-        resolved = self._inside(path, f"dump {name!r}")
+            raise Refused(404, f"no {what} {name!r} of job {job!r}")
+        resolved = self._inside(path, f"{what} {name!r}")
         if not is_regular(resolved):
-            raise Refused(404, f"no dump {name!r} of job {job!r}")
+            raise Refused(404, f"no {what} {name!r} of job {job!r}")
         return resolved
 
 

@@ -58,6 +58,11 @@ def dump_reply(path: Path, last: int | None, limit: int, compress: bool) -> tupl
     return _maybe_gzip(dump_window(read_bounded(path, limit), last), compress)
 
 
+def stacks_reply(path: Path, limit: int, compress: bool) -> tuple[bytes, bool]:
+    """A stacks file as written (gzip-compressed when `compress`)."""
+    return _maybe_gzip(read_bounded(path, limit), compress)
+
+
 def _serving_process_start(nice: int, agent_pid: int) -> None:
     """In the serving process: lower its priority, and end it when the agent is gone (killed outright,
     the agent cannot stop it)."""

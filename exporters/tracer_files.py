@@ -1,6 +1,6 @@
 """Tracer collector: live per-rank counters from the ring files the tracer keeps in the trace directory.
 
-Reads only the header (12 KiB) of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
+Reads only the header (28 KiB) of each ``<trace_dir>/<job>/rank-<N>.trace`` per scrape. Series carry
 ``job`` (the training job) and ``rank`` as the file's folder and name give them, and ``local_rank``
 (per-communicator series also ``comm``);
 Prometheus must scrape with ``honor_labels: true`` so `job` is kept. A rank is alive while its
@@ -211,6 +211,7 @@ class TracerCollector:
                     quantiles,
                 )
         _export_pauses(families, h, labels, alive, now)
+        _export_host_signals(families, h, labels)
 
 
 def _export_pauses(
@@ -239,6 +240,67 @@ def _export_pauses(
             kind_labels,
             pause.total_ns * NS,
         )
+
+
+# Host-signal series from the newest sample (format version 4), named as node_exporter and cAdvisor name
+# the same thing: (name, help, HostSample field, scale, extra labels). A field the rank's host does not
+# give (-1) leaves its series out.
+_HOST_SERIES: tuple[tuple[str, str, str, float, dict[str, str]], ...] = (
+    ("schedstat_running_seconds_total", "Time the rank's main thread ran on a CPU (/proc schedstat).",
+     "cpu_ns", NS, {}),
+    ("schedstat_waiting_seconds_total", "Time the rank's main thread was runnable but waited for a CPU "
+     "(run-queue delay, /proc schedstat).", "runq_ns", NS, {}),
+    ("context_switches_total", "Context switches of the rank's main thread, by type.",
+     "voluntary_switches", 1.0, {"type": "voluntary"}),
+    ("context_switches_total", "Context switches of the rank's main thread, by type.",
+     "nonvoluntary_switches", 1.0, {"type": "involuntary"}),
+    ("major_page_faults_total", "Major page faults of the rank's process.", "major_faults", 1.0, {}),
+    ("fs_reads_bytes_total", "Bytes the rank's process caused to be read from storage (/proc io read_bytes).",
+     "read_bytes", 1.0, {}),
+    ("blkio_delay_seconds_total", "Time the rank's main thread waited for block I/O (delay accounting).",
+     "blkio_delay_ns", NS, {}),
+    ("main_thread_io_wait_samples_total", "Host samples that found the rank's main thread in "
+     "uninterruptible sleep (state D).", "main_io_wait_samples", 1.0, {}),
+    ("cpu_cfs_periods_total", "CFS enforcement periods elapsed in the rank's cgroup.",
+     "cfs_periods", 1.0, {}),
+    ("cpu_cfs_throttled_periods_total", "CFS periods in which the rank's cgroup was throttled by its CPU "
+     "quota.", "cfs_throttled_periods", 1.0, {}),
+    ("cpu_cfs_throttled_seconds_total", "Time the rank's cgroup was throttled by its CPU quota.",
+     "cfs_throttled_ns", NS, {}),
+    ("memory_failcnt_total", "Times the rank's cgroup hit its memory limit.", "memory_limit_hits", 1.0, {}),
+    ("memory_high_events_total", "Times the rank's cgroup went over memory.high (cgroup v2).",
+     "memory_high_events", 1.0, {}),
+    ("oom_events_total", "OOM kills in the rank's cgroup.", "oom_kills", 1.0, {}),
+    ("pressure_cpu_waiting_seconds_total", "Time some tasks of the rank's cgroup waited for a CPU (PSI).",
+     "cpu_pressure_ns", NS, {}),
+    ("pressure_memory_waiting_seconds_total", "Time some tasks of the rank's cgroup waited for memory (PSI).",
+     "memory_pressure_ns", NS, {}),
+    ("pressure_io_waiting_seconds_total", "Time some tasks of the rank's cgroup waited for I/O (PSI).",
+     "io_pressure_ns", NS, {}),
+)  # fmt: skip
+
+
+def _export_host_signals(families: FamilySet, h: RingHeader, labels: dict[str, str]) -> None:
+    """The GC counters and the newest host sample of a rank whose file has them (format version 4)."""
+    if h.version < 4:
+        return
+    families.counter("gc_collections_total", "Garbage collections on the rank.", labels, h.gc_collections)
+    families.counter(
+        "gc_pause_seconds_total", "Time the rank spent in garbage collections.", labels, h.gc_ns * NS
+    )
+    if not h.host_samples:
+        return
+    sample = h.host_samples[-1]
+    families.gauge(
+        "host_sample_timestamp_seconds",
+        "Unix time of the rank's newest host sample.",
+        labels,
+        sample.time_ns * NS,
+    )
+    for name, doc, field, scale, extra in _HOST_SERIES:
+        raw = getattr(sample, field)
+        if raw >= 0:
+            families.counter(name, doc, {**labels, **extra}, raw * scale)
 
 
 def _rank_of(path: Path) -> int:

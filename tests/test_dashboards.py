@@ -30,6 +30,7 @@ from megatrace.exporters.cli import build_collectors, build_registry
 from megatrace.exporters.server import MetricsServer
 from megatrace.exporters.settings import ExporterConfig
 from megatrace.exporters.settings import load as load_agent_config
+from megatrace.tracer.host_signals import HostSampler
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
 from tests.support.fake_pynvml import FakeGpu, FakeNvml
@@ -215,6 +216,7 @@ def write_ranks(trace_dir: Path, job: str, world_size: int) -> list[RingWriter]:
             recorder.end(recorder.begin(group, OP_CODES["all_reduce"], 1 << 20, 1, -1, 0))
             recorder.mark_step()
         recorder.publish()  # the watchdog's tick
+        HostSampler(writer, 10**9).sample()  # and its host sample
         writers.append(writer)
     return writers
 

@@ -1,12 +1,14 @@
 """Stall dumps: a rank's ring snapshot written out as greppable text, and read back.
 
-A dump is ``<trace_dir>/<job>/rank-<N>.<pid>.<k>.dump``: ``#`` lines carry the header and the
-communicator table, then one ``key=value`` line per op, oldest first (format in
-``docs/tracer-format.md``). `read_dump` returns the same `RingSnapshot` as `read_ring`.
+A dump is ``<trace_dir>/<job>/rank-<N>.<pid>.<k>.dump``: ``#`` lines carry the header, the
+communicator table and (stall and signal dumps) every thread's Python stack, then one ``key=value``
+line per op, oldest first (format in ``docs/tracer-format.md``). `read_dump` returns the same
+`RingSnapshot` as `read_ring`, with the stacks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -25,10 +27,12 @@ from megatrace.tracer.ringfile import (
     READABLE_VERSIONS,
     RECORD_DTYPE,
     CommCounters,
+    HostSample,
     PauseState,
     RingHeader,
     RingSnapshot,
 )
+from megatrace.tracer.stacks import StackLinesError, StackSection, stack_lines
 
 DUMP_MAGIC = "# megatrace-dump"
 DUMP_SUFFIX = ".dump"
@@ -46,6 +50,10 @@ _V2_KEYS = ("capture", "cuda_device", "device_uuid")
 _COUNTER_FIELDS = ("issued", "completed", "inflight_op", "inflight_seq", "inflight_enqueue_ns", "last_op")
 # Added in version 3: the fields of a "# pause" line (one per pause kind).
 _PAUSE_FIELDS = ("since_ns", "ended", "total_ns")
+# Added in version 4: the host-signal scalars ("# host-signals"), one "# host-note" line per note, one
+# "# host" line per host sample (oldest first, the `HostSample` fields).
+_HOST_SIGNAL_KEYS = ("cgroup_version", "main_thread_id", "gc_collections", "gc_ns")
+_HOST_SAMPLE_KEYS = tuple(field.name for field in dataclasses.fields(HostSample))
 _RECORD_INT_KEYS = ("serial", "rank", "comm", "seq", "nbytes", "peer", "enqueue_ns", "complete_ns", "step")
 
 
@@ -132,6 +140,13 @@ def write_dump(
         lines.append(
             "# pause " + _pairs([("kind", kind), *((key, getattr(pause, key)) for key in _PAUSE_FIELDS)])
         )
+    lines.append("# host-signals " + _pairs([(key, getattr(h, key)) for key in _HOST_SIGNAL_KEYS]))
+    lines.extend("# host-note " + _pairs([("text", note)]) for note in h.host_notes)
+    lines.extend(
+        "# host " + _pairs([(key, getattr(sample, key)) for key in _HOST_SAMPLE_KEYS])
+        for sample in h.host_samples
+    )
+    lines.extend(stack_lines(snapshot.stacks, h.oldest_inflight_op, h.oldest_inflight_enqueue_ns))
     records = snapshot.records[-max_records:] if max_records > 0 else snapshot.records[:0]
     lines.extend(format_record(row) for row in records)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -219,6 +234,8 @@ def read_dump(path: str | Path) -> RingSnapshot:
     comms: dict[int, tuple[int, ...]] = {}
     counters: dict[int, CommCounters] = {}
     pauses: dict[str, PauseState] = {}
+    host: dict = {"host_samples": [], "host_notes": []}
+    stacks = StackSection()
     rows = []
     for number, line in enumerate(lines[1:], start=2):
         where = f"{path}:{number}"
@@ -249,6 +266,21 @@ def read_dump(path: str | Path) -> RingSnapshot:
             pauses[_text(pairs.get("kind", "-"))] = PauseState(
                 *(_int(pairs, key, where) for key in _PAUSE_FIELDS)
             )
+        elif line.startswith("# host-signals "):
+            pairs = _parse_pairs(line[len("# host-signals ") :], where)
+            host.update({key: _int(pairs, key, where) for key in _HOST_SIGNAL_KEYS})
+        elif line.startswith("# host-note "):
+            host["host_notes"].append(
+                _text(_parse_pairs(line[len("# host-note ") :], where).get("text", "-"))
+            )
+        elif line.startswith("# host "):
+            pairs = _parse_pairs(line[len("# host ") :], where)
+            host["host_samples"].append(HostSample(*(_int(pairs, key, where) for key in _HOST_SAMPLE_KEYS)))
+        elif StackSection.holds(line):
+            try:
+                stacks.add(line)
+            except StackLinesError as exc:
+                raise DumpFormatError(f"{where}: {exc}") from None
         elif line.startswith("#"):
             meta.update(_parse_pairs(line[1:], where))
         else:
@@ -277,6 +309,7 @@ def read_dump(path: str | Path) -> RingSnapshot:
         comm_counters=counters,
         pause_kind=_text(meta.get("pause_kind", "-")),
         pauses=pauses,
+        **{**host, "host_samples": tuple(host["host_samples"]), "host_notes": tuple(host["host_notes"])},
     )
     return RingSnapshot(
         header=header,
@@ -284,4 +317,5 @@ def read_dump(path: str | Path) -> RingSnapshot:
         communicators=comms,
         taken_ns=_int(meta, "taken_ns", where) if "taken_ns" in meta else 0,
         reason=_text(meta.get("reason", "-")),
+        stacks=stacks.stacks(),
     )

@@ -15,12 +15,15 @@ import re
 
 import numpy as np
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Versions the readers accept: older files lack what later versions added (read as unset).
-READABLE_VERSIONS = frozenset({1, 2, 3})
+READABLE_VERSIONS = frozenset({1, 2, 3, 4})
 MAGIC = b"MEGATRC\x00"
-# Version 3 grew the header from one page (4096 bytes) to three, for the pauses and the histograms.
-HEADER_SIZE = 12288
+# Version 4 grew the header from three pages to seven, for the host signals (`header_size_of` in
+# ringfile gives each version's size).
+HEADER_SIZE = 28672
+# Version 3 grew it from one page (4096 bytes) to three, for the pauses and the histograms.
+HEADER_SIZE_V3 = 12288
 # The first page: what versions 1 and 2 called the header (readers of those versions read only it).
 HEADER_PAGE = 4096
 RECORD_SIZE = 72
@@ -108,6 +111,41 @@ HISTOGRAM_FIRST_BITS = 20
 # Word of a histogram entry after the buckets: the sum of the counted durations, ns.
 H_SUM_NS = HISTOGRAM_BUCKETS
 
+# Host signals (version 4), written by the rank's own watchdog thread (`megatrace.tracer.host_signals`)
+# and the garbage collector's callback: HOST_SIGNAL_WORDS scalar words from byte HOST_SIGNALS_OFFSET (the
+# HS_* names are word indices inside them), the notes saying why a signal is unavailable (UTF-8 lines,
+# NUL-padded) at HOST_NOTES_OFFSET, and a ring of the last HOST_SAMPLES samples at HOST_SAMPLES_OFFSET.
+HOST_SIGNALS_OFFSET = HEADER_SIZE_V3
+HOST_SIGNAL_WORDS = 64
+# The rank's cgroup hierarchy: 0 unknown, 1 (v1 controllers) or 2 (unified).
+HS_CGROUP_VERSION = 0
+# threading.main_thread().ident, the thread id faulthandler prints for the main thread.
+HS_MAIN_THREAD_ID = 1
+# Garbage collections on this rank (every generation) and their total pause, ns.
+HS_GC_COLLECTIONS = 2
+HS_GC_NS = 3
+# Samples written so far: sample n (1-based) lives in slot (n - 1) % HOST_SAMPLES.
+HS_SAMPLE_COUNT = 4
+# The sampling interval (MEGATRACE_TRACE_HOST_SAMPLE_MS) in ns; 0: the rank does not sample.
+HS_SAMPLE_INTERVAL_NS = 5
+HOST_NOTES_OFFSET = HOST_SIGNALS_OFFSET + HOST_SIGNAL_WORDS * 8
+HOST_NOTES_BYTES = 3584
+HOST_SAMPLES_OFFSET = HOST_NOTES_OFFSET + HOST_NOTES_BYTES
+HOST_SAMPLES = 64
+# One sample slot: word 0 holds the sample's number n, then one word per HOST_SAMPLE_FIELDS name, then
+# reserved words, and the last word holds n again. The sampler zeroes the last word first and writes
+# it, then word 0, at the end: a reader takes a slot only where both words hold the same nonzero n.
+HOST_SAMPLE_WORDS = 24
+HOST_SAMPLE_SERIAL = 0
+HOST_SAMPLE_CHECK = HOST_SAMPLE_WORDS - 1
+# The sample's fields in word order from word 1 (`ringfile.HostSample`; -1 = unavailable on this host).
+HOST_SAMPLE_FIELDS = (
+    "time_ns", "cpu_ns", "runq_ns", "voluntary_switches", "nonvoluntary_switches", "major_faults",
+    "read_bytes", "blkio_delay_ns", "main_io_wait_samples", "cfs_periods", "cfs_throttled_periods",
+    "cfs_throttled_ns", "memory_limit_hits", "memory_high_events", "oom_kills", "cpu_pressure_ns",
+    "memory_pressure_ns", "io_pressure_ns", "gc_collections", "gc_ns", "dataloader_ns",
+)  # fmt: skip
+
 # Writer flag (word W_WRITER_FLAGS): the writing process holds a shared flock on the file while it lives.
 WRITER_HOLDS_LOCK = 1
 # Record flags: the caller asked for an async op; recorded by the native capture at the process-group
@@ -172,7 +210,10 @@ OP_OTHER = 12
 # Records that are not ops (version 3): a pause span (comm_id 0; peer: the pause kind; seq: the
 # pause's number among those of its kind). No tracer counts them as collectives; the analyzer skips them.
 OP_PAUSE = 13
-SPAN_NAMES: dict[int, str] = {OP_PAUSE: "pause"}
+# A garbage collection (version 4) that lasted at least MEGATRACE_TRACE_GC_SPAN_MS: comm_id 0; peer: the
+# generation collected; seq: the collection's number on this rank; nbytes: the objects it collected.
+OP_GC = 14
+SPAN_NAMES: dict[int, str] = {OP_PAUSE: "pause", OP_GC: "gc"}
 # Every record's op byte by name: the ops and the spans.
 RECORD_OP_NAMES: dict[int, str] = {**OP_NAMES, **SPAN_NAMES}
 RECORD_OP_CODES: dict[str, int] = {name: code for code, name in RECORD_OP_NAMES.items()}
@@ -180,7 +221,7 @@ P2P_OPS = frozenset({OP_CODES["send"], OP_CODES["recv"]})
 
 
 def op_name(code: int) -> str:
-    """The name of op code `code` ("pause" for a pause record); "other" for a code no table holds."""
+    """The name of op code `code` ("pause", "gc" for span records); "other" for a code no table holds."""
     return RECORD_OP_NAMES.get(code, "other")
 
 

@@ -126,12 +126,13 @@ class Recorder:
         self.last_complete_ns = now
         self.wait_ns_total += took
 
-    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
-        """Write a completed span that is no op (a pause: `format.OP_PAUSE`) as a record of its own."""
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int, nbytes: int = 0) -> None:
+        """Write a completed span that is no op (a pause: `format.OP_PAUSE`, a garbage collection:
+        `format.OP_GC`) as a record of its own."""
         serial = self.serial + 1
         self.serial = serial
         offset = (serial - 1) % self.capacity * RECORD_SIZE
-        _pack(self.records, offset, 0, 0, seq, 0, start_ns, end_ns, self.step, self.rank, peer, op, 0, 0)
+        _pack(self.records, offset, 0, 0, seq, nbytes, start_ns, end_ns, self.step, self.rank, peer, op, 0, 0)
         self.record_words[offset >> 3] = serial
         self.calls_by_op[op] += 1
 
@@ -246,9 +247,10 @@ class NativeRecorder:
     def publish(self) -> None:
         """Nothing to copy: the native side keeps the header's counters live."""
 
-    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int) -> None:
-        """Write a completed span that is no op (a pause) as a record, numbered by the native side."""
-        self.native.record_span(op, peer, seq, start_ns, end_ns, self.header[W_STEP_COUNT])
+    def record_span(self, op: int, peer: int, seq: int, start_ns: int, end_ns: int, nbytes: int = 0) -> None:
+        """Write a completed span that is no op (a pause, a garbage collection) as a record, numbered
+        by the native side."""
+        self.native.record_span(op, peer, seq, start_ns, end_ns, self.header[W_STEP_COUNT], nbytes)
 
     def mark_step(self) -> None:
         """One training step ended now: count it and record its duration."""

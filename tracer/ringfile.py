@@ -1,6 +1,6 @@
 """The tracer's per-rank ring file: the writer used inside a rank, and `read_ring`.
 
-One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 12 KiB header (identity and
+One memory-mapped file per rank, ``<trace_dir>/<job>/rank-<N>.trace``: a 28 KiB header (identity and
 live counters), a communicator table, then a ring of fixed-size records. The layout is defined in
 `megatrace.tracer.format` and described in ``docs/tracer-format.md``. This module imports no torch:
 the exporter and the analyzer read files with it while ranks write them.
@@ -40,10 +40,25 @@ from megatrace.tracer.format import (
     H_SUM_NS,
     HEADER_PAGE,
     HEADER_SIZE,
+    HEADER_SIZE_V3,
     HISTOGRAM_BUCKETS,
     HISTOGRAM_OFFSET,
     HISTOGRAM_WORDS,
+    HOST_NOTES_BYTES,
+    HOST_NOTES_OFFSET,
     HOST_OFFSET,
+    HOST_SAMPLE_CHECK,
+    HOST_SAMPLE_FIELDS,
+    HOST_SAMPLE_SERIAL,
+    HOST_SAMPLE_WORDS,
+    HOST_SAMPLES,
+    HOST_SAMPLES_OFFSET,
+    HOST_SIGNALS_OFFSET,
+    HS_CGROUP_VERSION,
+    HS_GC_COLLECTIONS,
+    HS_GC_NS,
+    HS_MAIN_THREAD_ID,
+    HS_SAMPLE_COUNT,
     JOB_OFFSET,
     MAGIC,
     MAX_COMM_COUNTERS,
@@ -60,6 +75,7 @@ from megatrace.tracer.format import (
     RECORD_DTYPE,
     RECORD_FIELDS,
     RECORD_SIZE,
+    SPAN_NAMES,
     TEXT_FIELD_BYTES,
     W_BYTES_BY_OP,
     W_CALLS_BY_OP,
@@ -104,6 +120,7 @@ from megatrace.tracer.format import FLAG_ASYNC as FLAG_ASYNC
 from megatrace.tracer.format import FLAG_PROCESS_GROUP as FLAG_PROCESS_GROUP
 from megatrace.tracer.format import OP_CODES as OP_CODES
 from megatrace.tracer.format import P2P_OPS as P2P_OPS
+from megatrace.tracer.stacks import ThreadStack
 
 DEFAULT_CAPACITY = 131072
 DEFAULT_COMM_TABLE_BYTES = 1 << 20
@@ -167,6 +184,43 @@ class RingHeader:
     # Version 3: the pause begun last among those in progress ("" none) and each kind's state.
     pause_kind: str = ""
     pauses: dict[str, PauseState] = dataclasses.field(default_factory=dict)
+    # Version 4: the rank's host signals, oldest sample first (empty before version 4 or before the
+    # first sample), its cgroup version (0 unknown, 1, 2), why signals are unavailable, its main
+    # thread's id (as faulthandler prints it; 0 unknown) and its garbage collections (count, pause ns).
+    host_samples: tuple[HostSample, ...] = ()
+    cgroup_version: int = 0
+    host_notes: tuple[str, ...] = ()
+    main_thread_id: int = 0
+    gc_collections: int = 0
+    gc_ns: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSample:
+    """One sample of the rank's own process and cgroup; counters are cumulative since the process
+    (or the cgroup) started, -1 where unavailable (the header's `host_notes` say why)."""
+
+    time_ns: int  # CLOCK_REALTIME ns of the sample
+    cpu_ns: int  # /proc/self/schedstat field 1: time on CPU (all threads)
+    runq_ns: int  # /proc/self/schedstat field 2: time runnable, waiting for a CPU
+    voluntary_switches: int  # voluntary_ctxt_switches of the main thread (/proc/self/task/<tid>/status)
+    nonvoluntary_switches: int  # nonvoluntary_ctxt_switches of the main thread
+    major_faults: int  # /proc/self/stat majflt
+    read_bytes: int  # /proc/self/io read_bytes (bytes fetched from storage)
+    blkio_delay_ns: int  # /proc/self/stat delayacct_blkio_ticks in ns; -1 when delay accounting is off
+    main_io_wait_samples: int  # how many samples so far found the main thread in state D
+    cfs_periods: int  # cgroup cpu.stat nr_periods (v1 and v2)
+    cfs_throttled_periods: int  # nr_throttled
+    cfs_throttled_ns: int  # v1 throttled_time (ns); v2 throttled_usec * 1000
+    memory_limit_hits: int  # v1 memory.failcnt; v2 memory.events "max"
+    memory_high_events: int  # v2 memory.events "high"; -1 on v1
+    oom_kills: int  # v1 memory.oom_control oom_kill; v2 memory.events oom_kill
+    cpu_pressure_ns: int  # the cgroup's cpu.pressure "some" total (us * 1000); -1 without
+    memory_pressure_ns: int  # memory.pressure "some" total
+    io_pressure_ns: int  # io.pressure "some" total
+    gc_collections: int  # cumulative, every generation
+    gc_ns: int  # cumulative GC pause time
+    dataloader_ns: int  # cumulative DataLoader wait (ended pauses + the one in progress)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +260,8 @@ class RingSnapshot:
     # When the snapshot was taken (read or dumped), CLOCK_REALTIME ns; why, for dumps.
     taken_ns: int = 0
     reason: str = ""
+    # Every thread's Python stack when a stall or signal dump was taken (empty for a ring read live).
+    stacks: tuple[ThreadStack, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +406,18 @@ class RingWriter:
             DEVICE_UUID_BYTES, b"\0"
         )
 
+    def set_host_notes(self, notes: tuple[str, ...] | list[str]) -> None:
+        """Why host signals are unavailable, one line each (cut to the field's size at a line's end)."""
+        raw = b""
+        for note in notes:
+            line = note.replace("\n", " ").encode("utf-8") + b"\n"
+            if len(raw) + len(line) >= HOST_NOTES_BYTES:
+                break
+            raw += line
+        self._map[HOST_NOTES_OFFSET : HOST_NOTES_OFFSET + HOST_NOTES_BYTES] = raw.ljust(
+            HOST_NOTES_BYTES, b"\0"
+        )
+
     def comm_counters_entry(self, cid: int) -> int:
         """Word index (in `header`) of communicator `cid`'s counter entry, added if new; -1 when full."""
         used = self.header[W_COMM_COUNTERS_USED]
@@ -422,7 +490,38 @@ def _decode_text(raw: bytes) -> str:
 
 def header_size_of(version: int) -> int:
     """The header's size in a ring file of format `version`."""
-    return HEADER_SIZE if version >= 3 else HEADER_PAGE
+    if version >= 4:
+        return HEADER_SIZE
+    return HEADER_SIZE_V3 if version == 3 else HEADER_PAGE
+
+
+def host_sample_word(slot: int) -> int:
+    """Header word index of host sample slot `slot` (0 ≤ slot < HOST_SAMPLES)."""
+    return HOST_SAMPLES_OFFSET // 8 + slot * HOST_SAMPLE_WORDS
+
+
+def _host_samples_from(words: np.ndarray) -> tuple[HostSample, ...]:
+    """The committed samples of the ring, oldest first (a slot caught mid-write is left out)."""
+    count = int(words[HOST_SIGNALS_OFFSET // 8 + HS_SAMPLE_COUNT])
+    samples = []
+    for number in range(max(1, count - HOST_SAMPLES + 1), count + 1):
+        entry = words[host_sample_word((number - 1) % HOST_SAMPLES) :][:HOST_SAMPLE_WORDS]
+        if entry[HOST_SAMPLE_SERIAL] == number and entry[HOST_SAMPLE_CHECK] == number:
+            samples.append(HostSample(*(int(value) for value in entry[1 : 1 + len(HOST_SAMPLE_FIELDS)])))
+    return tuple(samples)
+
+
+def _host_signals_from(words: np.ndarray, raw: bytes) -> dict:
+    scalars = words[HOST_SIGNALS_OFFSET // 8 :]
+    notes = _decode_text(raw[HOST_NOTES_OFFSET : HOST_NOTES_OFFSET + HOST_NOTES_BYTES])
+    return {
+        "host_samples": _host_samples_from(words),
+        "cgroup_version": int(scalars[HS_CGROUP_VERSION]),
+        "host_notes": tuple(line for line in notes.split("\n") if line),
+        "main_thread_id": int(scalars[HS_MAIN_THREAD_ID]),
+        "gc_collections": int(scalars[HS_GC_COLLECTIONS]),
+        "gc_ns": int(scalars[HS_GC_NS]),
+    }
 
 
 def _comm_counters_from(words: np.ndarray, version: int) -> dict[int, CommCounters]:
@@ -473,6 +572,8 @@ def _header_from(words: np.ndarray, raw: bytes) -> RingHeader:
     if version >= 3:
         later["pause_kind"] = PAUSE_KIND_NAMES.get(int(words[W_PAUSE_KIND]), "")
         later["pauses"] = _pauses_from(words)
+    if version >= 4:
+        later.update(_host_signals_from(words, raw))
 
     return RingHeader(
         version=version,
@@ -522,7 +623,7 @@ def _check_header(path: Path, raw: bytes) -> np.ndarray:
 
 
 def read_header(path: str | Path) -> RingHeader:
-    """Only the header of a ring file (cheap: one 12 KiB read), e.g. for the exporter's counters."""
+    """Only the header of a ring file (cheap: one 28 KiB read), e.g. for the exporter's counters."""
     path = Path(path)
     try:
         with open(open_regular(path), "rb") as handle:
@@ -553,6 +654,11 @@ def parse_comm_table(table: bytes, count: int) -> dict[int, tuple[int, ...]]:
         comms[int(cid)] = tuple(members.tolist())
         pos += size
     return comms
+
+
+def ops_only(records: np.ndarray) -> np.ndarray:
+    """The records that are ops, without the span records (pauses, garbage collections)."""
+    return records[~np.isin(records["op"], list(SPAN_NAMES))]
 
 
 def read_ring(path: str | Path) -> RingSnapshot:

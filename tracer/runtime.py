@@ -25,6 +25,8 @@ import torch.distributed.distributed_c10d as c10d
 from megatrace.config import ConfigError
 from megatrace.tracer import native, wrappers
 from megatrace.tracer.faults import FaultPlan
+from megatrace.tracer.gc_spans import GcSpans
+from megatrace.tracer.host_signals import HostSampler
 from megatrace.tracer.pause_hooks import PauseHooks
 from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import NativeRecorder, Recorder
@@ -95,6 +97,7 @@ class Tracer:
         self._step_hook: Any = None
         self.pauses = Pauses(lambda: self.recorder)
         self.pause_hooks: PauseHooks | None = None
+        self.gc_spans = GcSpans(lambda: self.recorder, settings.gc_span_ms * 1_000_000)
 
     @property
     def capture(self) -> str:
@@ -169,10 +172,15 @@ class Tracer:
             recorder = NativeRecorder(writer, rank, self.native) if self.native else Recorder(writer, rank)
             plan = FaultPlan(self.fault_settings, rank)
             self.faults = plan if plan.active else None
-            self.watchdog = Watchdog(recorder, self.job_dir, rank, stall_ns)
+            sample_ns = self.settings.host_sample_ms * 1_000_000
+            sampler = HostSampler(writer, sample_ns) if sample_ns else None
+            self.watchdog = Watchdog(
+                recorder, self.job_dir, rank, stall_ns, sampler, self.settings.stacks_fallback
+            )
             self.watchdog.start_thread()
             self._register_step_hook()
             self.recorder = recorder
+            self.gc_spans.install()
             for ranks, cid in self.native_comms.items():
                 self._store_members(cid, ranks)
             if self.native is None:
@@ -243,9 +251,11 @@ class Tracer:
         self.comms.clear()
 
     def at_exit(self) -> None:
-        """Flag a clean exit (no uncaught exception), write the exit dump, stop the watchdog, and stop
-        the native capture before the interpreter is torn down: a Work its completion thread released
-        during finalization would take the GIL from a dying interpreter, which aborts the process."""
+        """Flag a clean exit (no uncaught exception), stop counting garbage collections, write the exit
+        dump, stop the watchdog, and stop the native capture before the interpreter is torn down: a Work
+        its completion thread released during finalization would take the GIL from a dying interpreter,
+        which aborts the process."""
+        self.gc_spans.uninstall()  # the interpreter's teardown collections are no training time
         recorder = self.recorder
         if recorder is not None:
             if getattr(sys, "last_value", None) is None:
@@ -273,7 +283,8 @@ class Tracer:
             self.native = None
 
     def close(self) -> None:
-        """Stop the watchdog, drop the step hook and unmap the ring (tests and benchmarks)."""
+        """Stop the watchdog, drop the step and GC hooks and unmap the ring (tests and benchmarks)."""
+        self.gc_spans.uninstall()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self._step_hook is not None:

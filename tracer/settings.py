@@ -1,7 +1,8 @@
 """Tracer and fault-injection settings, read from the environment and validated.
 
-``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE}`` configure the tracer; the Megatrace NCCL
-names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are honoured when the former are unset.
+``MEGATRACE_TRACE_{ENABLE,DIR,JOB,STALL_MS,CAPACITY,NATIVE,HOST_SAMPLE_MS,GC_SPAN_MS,STACKS_FALLBACK}``
+configure the tracer; the Megatrace NCCL names ``NCCL_MEGATRACE_{ENABLE,LOG_PATH,SENSTIME}`` are
+honoured when the former are unset.
 ``MEGATRACE_FAULT_*`` inject a hang or a slow rank. Bad values raise `ConfigError` naming the variable.
 """
 
@@ -24,6 +25,8 @@ TRACE_PREFIX = "MEGATRACE_TRACE_"
 FAULT_PREFIX = "MEGATRACE_FAULT_"
 DEFAULT_TRACE_DIR = "/run/megatrace"
 DEFAULT_STALL_MS = 3000
+DEFAULT_HOST_SAMPLE_MS = 1000
+DEFAULT_GC_SPAN_MS = 1
 NCCL_NAMES = {
     "NCCL_MEGATRACE_ENABLE": "enable",
     "NCCL_MEGATRACE_LOG_PATH": "dir",
@@ -43,6 +46,12 @@ class TraceSettings:
     capacity: Annotated[int, Field(ge=16, le=1 << 26)] = DEFAULT_CAPACITY
     # Capture at the process-group layer (native) where it loads; False: the Python wrappers only.
     native: bool = True
+    # How often the watchdog samples the rank's process and cgroup into the ring header; 0: never.
+    host_sample_ms: Annotated[int, Field(ge=0)] = DEFAULT_HOST_SAMPLE_MS
+    # Garbage collections lasting at least this long are written as span records (all are counted).
+    gc_span_ms: Annotated[int, Field(ge=0)] = DEFAULT_GC_SPAN_MS
+    # Keep faulthandler's timer armed for stacks of a rank stuck holding the GIL (`stack_fallback`).
+    stacks_fallback: bool = True
 
 
 @dataclasses.dataclass

@@ -2,12 +2,17 @@
 
 A stall is an op in flight for longer than the sensitivity, or no op issued or completed for longer
 than it. One dump per stall episode; also one on SIGUSR1 (any previous handler still runs) and one
-at exit. The dump is built from a copy of the ring in this thread, never in the training thread.
+at exit. The dump is built from a copy of the ring in this thread, never in the training thread;
+stall and signal dumps carry every thread's Python stack (`megatrace.tracer.stacks`). The same thread
+samples the rank's host signals into the ring header (`host_signals.HostSampler`) every sampling
+interval and before each dump, and keeps faulthandler's timer armed (`megatrace.tracer.stack_fallback`)
+for a training thread that holds the GIL so long that this thread cannot run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -18,6 +23,7 @@ from pathlib import Path
 
 from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.format import PAUSE_KIND_NAMES, W_PAUSE_KIND
+from megatrace.tracer.host_signals import HostSampler
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     W_DUMPS_WRITTEN,
@@ -28,8 +34,12 @@ from megatrace.tracer.ringfile import (
     W_OLDEST_INFLIGHT_ENQUEUE_NS,
     read_ring,
 )
+from megatrace.tracer.stack_fallback import StackFallback
+from megatrace.tracer.stacks import capture_stacks, gc_paused
 
 log = logging.getLogger("megatrace.tracer")
+# dumps that carry every thread's stack (the exit dump does not: its main thread is in atexit)
+STACK_REASONS = frozenset({"stall", "signal"})
 
 
 def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
@@ -46,8 +56,18 @@ def is_stalled(header: memoryview, now_ns: int, stall_ns: int) -> bool:
 class Watchdog:
     """Watches one rank's ring header and writes dumps into the job folder."""
 
-    def __init__(self, recorder: Recorder, job_dir: Path, rank: int, stall_ns: int) -> None:
+    def __init__(
+        self,
+        recorder: Recorder,
+        job_dir: Path,
+        rank: int,
+        stall_ns: int,
+        sampler: HostSampler | None = None,
+        stacks_fallback: bool = True,
+    ) -> None:
         self.recorder = recorder
+        self.sampler = sampler
+        self._next_sample_ns = 0
         self.writer = recorder.writer
         self.job_dir = job_dir
         self.rank = rank
@@ -63,11 +83,16 @@ class Watchdog:
         self._hooked = False
         self._previous_sigusr1: object = None
         self._restore_wakeup_fd = False
+        self.fallback: StackFallback | None = None
+        if stacks_fallback:
+            self.fallback = StackFallback(job_dir, rank, stall_ns)
 
     def start_thread(self) -> None:
-        """Start watching; hook SIGUSR1 when called from the main thread."""
+        """Start watching; hook SIGUSR1 when called from the main thread; arm the stack fallback."""
         if threading.current_thread() is threading.main_thread():
             self._hook_sigusr1()
+        if self.fallback is not None and not self.fallback.start():
+            self.fallback = None
         self._thread.start()
 
     def _hook_sigusr1(self) -> None:
@@ -93,15 +118,26 @@ class Watchdog:
         self._previous_sigusr1 = previous if previous is not None else signal.SIG_DFL
         self._hooked = True
 
+    def _sample_host(self, now_ns: int, force: bool = False) -> None:
+        """Sample the host signals when the interval is up (or `force`d: before a dump)."""
+        sampler = self.sampler
+        if sampler is None or not (force or now_ns >= self._next_sample_ns):
+            return
+        sampler.sample()
+        self._next_sample_ns = now_ns + sampler.interval_ns
+
     def _run(self) -> None:
         in_stall = False
         while not self._stop.is_set():
+            self._sample_host(time.time_ns())
             ready, _, _ = select.select([self._wake_r], [], [], self.interval)
             if self._stop.is_set():
                 break
             if ready and self._signalled():
                 self.dump("signal")
             self.recorder.publish()
+            if self.fallback is not None:
+                self.fallback.tick()
             stalled = is_stalled(self.writer.header, time.time_ns(), self.stall_ns)
             if stalled and not in_stall:
                 self.dump("stall")
@@ -116,12 +152,18 @@ class Watchdog:
 
     def dump(self, reason: str) -> Path | None:
         """Write a dump of the ring now; returns its path (None if writing failed, which is logged)."""
-        with self._dump_lock:
+        if self.fallback is not None:
+            self.fallback.tick()  # a full timeout for the dump itself: a slow one is no starved watchdog
+        with self._dump_lock, gc_paused():
             try:
                 self.recorder.publish()
+                self._sample_host(time.time_ns(), force=True)
                 snapshot = read_ring(self.writer.path)
+                if reason in STACK_REASONS:
+                    snapshot = dataclasses.replace(snapshot, stacks=capture_stacks())
                 path = dump_path(self.job_dir, self.rank, os.getpid(), self.dumps)
                 write_dump(path, snapshot, reason)
+                del snapshot  # its stacks go while collection is still paused
             except (OSError, ValueError) as exc:
                 log.warning("megatrace tracer: could not write %s dump: %s", reason, exc)
                 return None
@@ -144,3 +186,5 @@ class Watchdog:
             os.write(self._wake_w, b"\0")
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
+        if self.fallback is not None:
+            self.fallback.stop()

@@ -10,6 +10,7 @@ import contextlib
 import http.server
 import json
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -23,7 +24,10 @@ from megatrace.alertbot.config import AgentFallbackConfig, AgentsConfig
 from megatrace.alertbot.discovery import GatherError, resolve_all
 from megatrace.alertbot.drilldown import DrilldownRunner
 from megatrace.alertbot.gather import gather
+from megatrace.analyzer.loader import load
 from megatrace.config import ConfigError
+from megatrace.tracer.stack_fallback import read_stacks_file
+from megatrace.tracer.stacks import main_stack
 from tests.alertbot.conftest import Bot, alert, config, webhook
 from tests.support.blackhole import blackholed
 from tests.support.gloo_job import run_traced_job
@@ -282,3 +286,27 @@ def test_a_fallback_alone_is_enough_to_find_the_agents(tmp_path: Path) -> None:
         tmp_path, drilldown={"source": "agents", "agents": {"token_file": "t", "fallback": fallback}}
     )
     assert cfg.drilldown.agents.fallback.static == ["10.0.0.1", "[fd00::1]:9452"]
+
+
+def test_the_drill_down_fetches_the_stacks_faulthandler_wrote_for_a_rank(tmp_path: Path) -> None:
+    """A rank that held the GIL past its stall threshold has only faulthandler's stacks file to say
+    where it was: the gathering fetches it beside the ring, and the analyzer reads it."""
+    root = tmp_path / "root"
+    subprocess.run(
+        [sys.executable, "-m", "tests.support.stuck_rank", str(root / "held-gil"), "500", "gil", "3"],
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    with agent(tmp_path, "127.0.0.1", root, "node-a") as (_, trace_port):
+        cfg = agents_config(tmp_path, trace_port, fallback=AgentFallbackConfig(dns_name="localhost"))
+        found = gather("held-gil", "", cfg, tmp_path / "out")
+    assert found.no_data == {} and not any("stacks" in note for note in found.notes)
+    # the stall dump the watchdog wrote once the GIL was free again comes too
+    fetched = sorted(path.name for path in (tmp_path / "out").iterdir())
+    assert fetched == ["rank-0.dump", "rank-0.stacks", "rank-0.trace"]
+    main = main_stack(read_stacks_file(tmp_path / "out" / "rank-0.stacks").stacks)
+    assert main is not None and main.frames[0].function == "hold_the_gil"
+    _, report = load([tmp_path / "out"])
+    assert report.files_by_format == {"ring": 1, "dump": 1, "stacks": 1}

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatrace.alertbot.drilldown import DrilldownRunner, prometheus_hints, resolve_trace_dir
+from megatrace.alertbot.drilldown import DrilldownRunner, resolve_trace_dir
+from megatrace.alertbot.node_findings import Finding, cause_from_nodes, node_findings, prometheus_hints
 from megatrace.alertbot.service import Service
 from tests.alertbot.conftest import Bot, alert, config, wait_until, webhook
 from tests.support.blackhole import blackholed
@@ -191,15 +192,18 @@ class Exposition(http.server.BaseHTTPRequestHandler):
 
     scrapes = 0
 
-    def do_GET(self) -> None:
+    def body(self) -> bytes:
         Exposition.scrapes += 1
         n = Exposition.scrapes
-        body = (
+        return (
             f'megatrace_gpu_xid_errors_total{{gpu="3",uuid="GPU-3",xid="79"}} {n}\n'
             'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="hw_thermal_slowdown"} 1\n'
             'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3",reason="sw_power_cap"} 0\n'
             f'megatrace_infiniband_link_downed_total{{device="mlx5_1",port="1"}} {2 * n}\n'
         ).encode()
+
+    def do_GET(self) -> None:
+        body = self.body()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(body)))
@@ -226,6 +230,53 @@ def prometheus_with_node(tmp_path: Path) -> Iterator[str]:
     with running(argv, f"http://127.0.0.1:{port}/-/ready", tmp_path / "prometheus.log"):
         yield f"http://127.0.0.1:{port}"
     node.shutdown()
+
+
+class CleanNode(Exposition):
+    """A node whose GPU 3 and IB port are healthy: no clock event, no XID, no link errors."""
+
+    def body(self) -> bytes:
+        return (
+            b'megatrace_gpu_xid_errors_total{gpu="3",uuid="GPU-3b",xid="79"} 0\n'
+            b'megatrace_gpu_clock_event_active{gpu="3",uuid="GPU-3b",reason="hw_thermal_slowdown"} 0\n'
+            b'megatrace_infiniband_link_downed_total{device="mlx5_1",port="1"} 0\n'
+        )
+
+
+@pytest.mark.slow
+def test_a_fault_on_the_culprits_node_alone_names_its_class(tmp_path: Path) -> None:
+    """Two nodes scraped by a real Prometheus, the culprit's (127.0.0.1) with XIDs, thermal throttling
+    and link errors, its peer's (127.0.0.2) clean: the culprit's GPU is named, not its peer's."""
+    faulty = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Exposition)
+    clean = http.server.ThreadingHTTPServer(("127.0.0.2", 0), CleanNode)
+    for server in (faulty, clean):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    targets = [f"127.0.0.1:{faulty.server_address[1]}", f"127.0.0.2:{clean.server_address[1]}"]
+    cfg = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "node", "static_configs": [{"targets": targets}]}],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    argv = prometheus_argv(tmp_path / "prometheus.yml", tmp_path / "prom-data", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with running(argv, f"{url}/-/ready", tmp_path / "prometheus.log"):
+            findings: list[Finding] = []
+            deadline = time.monotonic() + 60
+            while len(findings) < 3 and time.monotonic() < deadline:
+                findings, error = node_findings(url, ["127.0.0.1", "127.0.0.2"], 300)
+                time.sleep(0.5)
+    finally:
+        faulty.shutdown()
+        clean.shutdown()
+    assert error == ""
+    assert {(f.host, f.kind) for f in findings} == {("127.0.0.1", "gpu"), ("127.0.0.1", "network")}
+    culprit, peer = {"host": "127.0.0.1", "gpu": 3}, {"host": "127.0.0.2", "gpu": 3}
+    named = cause_from_nodes(culprit, [peer], findings)
+    assert named is not None and named["class"] == "gpu"
+    assert named["evidence"].startswith("GPU 3: clock event hw_thermal_slowdown")
+    assert cause_from_nodes(peer, [culprit], findings) is None
 
 
 @pytest.mark.slow

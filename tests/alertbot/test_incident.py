@@ -55,6 +55,21 @@ def drilldown(tmp_path: Path, wait: float, verdict: dict = VERDICT) -> tuple[dic
     return {"trace_roots": [str(root)], "analyzer_command": command, "verdict_wait_s": wait}, gate
 
 
+def verdict_delivered(tmp_path: Path, verdict: dict, **settings: object) -> tuple[Bot, DrilldownRunner]:
+    """A bot (with `settings`) that took the job's hang alerts and delivered the card the drill-down's
+    `verdict` makes; the runner is the caller's to shut down."""
+    drill, gate = drilldown(tmp_path, wait=0.0, verdict=verdict)
+    gate.touch()
+    bot = Bot(config(tmp_path, drilldown=drill, **settings))
+    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
+    bot.receive(webhook(job_hang(), *rank_hangs()), T0)
+    bot.drain()
+    (row,) = bot.store.incidents.pending_drilldowns()
+    runner.run(row.id)
+    bot.drain()
+    return bot, runner
+
+
 def title(card: dict) -> str:
     return card["header"]["title"]["content"]
 
@@ -255,16 +270,8 @@ TIED_VERDICT = {
 def test_a_tied_verdict_names_both_ranks_and_why(tmp_path: Path, feishu: FeishuServer) -> None:
     """The analyzer could not tell the hung rank from its pipeline neighbour: the card says "rank 0 or
     rank 4" and why, with no confidence (it used to name suspects[0], rank 0, at 50 %)."""
-    settings, gate = drilldown(tmp_path, wait=0.0, verdict=TIED_VERDICT)
-    gate.touch()
     app = {"app_id": feishu.app_id, "app_secret": feishu.app_secret, "chats": {"P0": "oc_p0"}}
-    bot = Bot(config(tmp_path, feishu={"base_url": feishu.url, "app": app}, drilldown=settings))
-    runner = DrilldownRunner(bot.pipeline, bot.cfg.drilldown, bot.metrics)
-    bot.receive(webhook(job_hang(), *rank_hangs()), T0)
-    bot.drain()
-    (row,) = bot.store.incidents.pending_drilldowns()
-    runner.run(row.id)
-    bot.drain()
+    runner = verdict_delivered(tmp_path, TIED_VERDICT, feishu={"base_url": feishu.url, "app": app})[1]
     (message,) = feishu.messages("oc_p0")
     (update,) = feishu.select("update", message.message_id)
     card = update.body["card"]

@@ -11,7 +11,7 @@ import pytest
 from megatrace.analyzer.flight_recorder import _op as flight_recorder_op
 from megatrace.analyzer.loader import load
 from megatrace.analyzer.nccl_log import parse_nccl_bytes
-from megatrace.tracer.format import OP_CODES, OP_NAMES, OP_OTHER, OP_PAUSE, P2P_OPS, op_name
+from megatrace.tracer.format import OP_CODES, OP_GC, OP_NAMES, OP_OTHER, OP_PAUSE, P2P_OPS, op_name
 from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import RankIdentity, RingWriter, comm_id, read_ring, ring_path
@@ -51,7 +51,8 @@ def test_a_flight_recorder_dump_without_a_known_op_reads_as_other(tmp_path: Path
 
 
 def test_pause_records_are_named_in_the_table_and_never_read_as_calls(tmp_path: Path) -> None:
-    """A version 3 ring holds pause spans (op 13) between the collectives: the analyzer leaves them out,
+    """A ring holds pause spans (op 13, version 3) and GC spans (op 14, version 4) between the
+    collectives: the analyzer leaves them out,
     so both ranks' collectives match and no call appears on a communicator 0 or as "other"."""
     cid = comm_id((0, 1))
     for rank in (0, 1):
@@ -63,13 +64,15 @@ def test_pause_records_are_named_in_the_table_and_never_read_as_calls(tmp_path: 
         for _ in range(3):
             if rank == 0:
                 pauses.end(pauses.begin("dataloader"))
+                recorder.record_span(OP_GC, 2, recorder.serial, 1, 5_000_001, nbytes=4000)
             recorder.end(recorder.begin(cid, OP_CODES["all_reduce"], 64, 1, -1, 0))
             recorder.mark_step()
         recorder.publish()
         writer.close()
     assert op_name(OP_PAUSE) == "pause" and OP_PAUSE not in OP_NAMES and OP_PAUSE != OP_OTHER
     ring = read_ring(ring_path(tmp_path / "j", 0))
-    assert ring.records["op"].tolist().count(OP_PAUSE) == 3
+    assert ring.records["op"].tolist().count(OP_PAUSE) == 3 and ring.records["op"].tolist().count(OP_GC) == 3
+    assert op_name(OP_GC) == "gc" and OP_GC not in OP_NAMES and OP_GC != OP_OTHER
     table, _ = load([tmp_path / "j"])
     assert Counter(table["op"].tolist()) == Counter({OP_CODES["all_reduce"]: 6})
     assert {table.comms[c].key for c in set(table["comm"].tolist())} == {str(("comm", cid))}

@@ -15,8 +15,10 @@ from typing import Any
 from megatrace.exporters.collectors import COLLECTORS, build
 from megatrace.exporters.guard import Collector, GuardedCollectors
 from megatrace.exporters.settings import load
+from megatrace.tracer.format import HOST_SAMPLE_FIELDS
+from megatrace.tracer.host_signals import CgroupDirs, HostSampler
 from megatrace.tracer.recorder import Recorder
-from megatrace.tracer.ringfile import OP_CODES, RankIdentity, RingWriter, comm_id, ring_path
+from megatrace.tracer.ringfile import OP_CODES, HostSample, RankIdentity, RingWriter, comm_id, ring_path
 from tests.exporters.exposition import names, render
 from tests.support.fake_pynvml import FakeGpu, FakeNvml
 from tests.support.kubelet import kubelet, list_response, pod
@@ -61,6 +63,10 @@ def write_rank(trace_dir: Path) -> RingWriter:
     recorder.end(recorder.begin(comm_id((0,)), OP_CODES["all_reduce"], 1024, 1, -1, 0))
     recorder.mark_step()
     recorder.publish()
+    # one host sample with every signal available, so every host series is exported
+    HostSampler(writer, 10**9, cgroup=CgroupDirs(version=2), delayacct=True).write(
+        HostSample(**dict.fromkeys(HOST_SAMPLE_FIELDS, 1))
+    )
     return writer
 
 

@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from megatrace.exporters.trace_endpoint import TraceEndpoint
 from megatrace.exporters.trace_workers import SERVE_NICE
 from megatrace.tracer.dumpfile import dump_path, write_dump
 from megatrace.tracer.ringfile import read_ring
+from megatrace.tracer.stack_fallback import read_stacks_file
+from megatrace.tracer.stacks import main_stack
 from tests.exporters.exposition import render, value
 from tests.support import scenarios as S
 from tests.support.services import free_port, running
@@ -372,5 +375,34 @@ def test_no_answer_names_a_path_on_the_server(tmp_path: Path) -> None:
             status, body, _ = get(served, path)
             assert status in (200, 404), (path, status, body)
             assert str(tmp_path).encode() not in body and b"/traces" not in body, (path, body)
+    finally:
+        served.close()
+
+
+def test_a_ranks_stacks_file_is_listed_and_served_whole(tmp_path: Path) -> None:
+    """A real stacks file: a rank that held the GIL past its stall threshold (`stuck_rank gil`)."""
+    root = tmp_path / "traces"
+    subprocess.run(
+        [sys.executable, "-m", "tests.support.stuck_rank", str(root / "job"), "500", "gil", "3"],
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    (name,) = [path.name for path in (root / "job").glob("*.stacks")]
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    served = TraceEndpoint(root, ("127.0.0.1", 0), token, 100, 1 << 20, 2, node_name="gpu-node-7")
+    try:
+        listing = json.loads(get(served, "/v1/jobs/job")[1])
+        assert listing["ranks"][0]["stacks"] == [name]
+        status, body, _ = get(served, f"/v1/jobs/job/stacks/{name}")
+        assert status == 200 and body == (root / "job" / name).read_bytes()
+        (tmp_path / name).write_bytes(body)
+        main = main_stack(read_stacks_file(tmp_path / name).stacks)
+        assert main is not None and main.frames[0].function == "hold_the_gil"
+        assert get(served, "/v1/jobs/job/stacks/passwd")[0] == 400
+        assert get(served, f"/v1/jobs/job/stacks/{name}?last=1")[0] == 400
+        assert get(served, "/v1/jobs/job/stacks/rank-0.1.stacks")[0] == 404
     finally:
         served.close()

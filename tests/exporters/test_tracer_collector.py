@@ -12,12 +12,23 @@ from pathlib import Path
 import pytest
 
 from megatrace.exporters.tracer_files import TracerCollector, process_exists
+from megatrace.tracer.format import (
+    HEADER_SIZE_V3,
+    HOST_SAMPLE_FIELDS,
+    HOST_SIGNALS_OFFSET,
+    HS_GC_COLLECTIONS,
+    HS_GC_NS,
+    W_HEADER_SIZE,
+    W_VERSION,
+)
+from megatrace.tracer.host_signals import CgroupDirs, HostSampler
 from megatrace.tracer.pauses import Pauses
 from megatrace.tracer.recorder import Recorder
 from megatrace.tracer.ringfile import (
     OP_CODES,
     W_FINISHED,
     W_WRITER_FLAGS,
+    HostSample,
     RankIdentity,
     RingWriter,
     comm_id,
@@ -179,6 +190,16 @@ EXPORTER_VIEW_SCRIPT = """
 import os, sys
 from pathlib import Path
 from megatrace.exporters.tracer_files import TracerCollector, process_exists
+from megatrace.tracer.format import (
+    HEADER_SIZE_V3,
+    HOST_SAMPLE_FIELDS,
+    HOST_SIGNALS_OFFSET,
+    HS_GC_COLLECTIONS,
+    HS_GC_NS,
+    W_HEADER_SIZE,
+    W_VERSION,
+)
+from megatrace.tracer.host_signals import CgroupDirs, HostSampler
 from megatrace.tracer.ringfile import read_header, ring_path
 view = Path(sys.argv[1])
 header = read_header(ring_path(view / "ns-job", 5))
@@ -332,3 +353,67 @@ def test_a_version_2_file_exports_its_counters_without_durations_or_pauses(tmp_p
     rank = {"job": "old", "rank": "1", "local_rank": "1"}
     assert value(text, "megatrace_tracer_comm_ops_completed_total", **rank, comm=str(cid)) == 1
     assert not {name for name in names(text) if "pause" in name or "op_duration" in name}
+
+
+HOST_SERIES = {
+    "megatrace_tracer_schedstat_running_seconds_total": ("cpu_ns", 1e-9, {}),
+    "megatrace_tracer_schedstat_waiting_seconds_total": ("runq_ns", 1e-9, {}),
+    "megatrace_tracer_context_switches_total": ("nonvoluntary_switches", 1, {"type": "involuntary"}),
+    "megatrace_tracer_major_page_faults_total": ("major_faults", 1, {}),
+    "megatrace_tracer_fs_reads_bytes_total": ("read_bytes", 1, {}),
+    "megatrace_tracer_main_thread_io_wait_samples_total": ("main_io_wait_samples", 1, {}),
+    "megatrace_tracer_cpu_cfs_periods_total": ("cfs_periods", 1, {}),
+    "megatrace_tracer_cpu_cfs_throttled_periods_total": ("cfs_throttled_periods", 1, {}),
+    "megatrace_tracer_cpu_cfs_throttled_seconds_total": ("cfs_throttled_ns", 1e-9, {}),
+    "megatrace_tracer_memory_failcnt_total": ("memory_limit_hits", 1, {}),
+    "megatrace_tracer_oom_events_total": ("oom_kills", 1, {}),
+}
+
+
+def test_host_signal_series_come_from_the_newest_sample_and_unavailable_ones_are_absent(
+    tmp_path: Path,
+) -> None:
+    recorder = start_rank(tmp_path, "pretrain-42", 5, os.getpid())
+    writer = recorder.writer
+    sampler = HostSampler(writer, 10**9, cgroup=CgroupDirs(version=1), delayacct=False)
+    fields = dict.fromkeys(HOST_SAMPLE_FIELDS, 0)
+    sampler.write(HostSample(**fields))
+    newest = {
+        **fields, "time_ns": 1_700_000_000_000_000_000, "cpu_ns": 40_000_000_000, "runq_ns": 2_500_000_000,
+        "voluntary_switches": 900, "nonvoluntary_switches": 77, "major_faults": 3, "read_bytes": 8192,
+        "main_io_wait_samples": 2, "cfs_periods": 500, "cfs_throttled_periods": 120,
+        "cfs_throttled_ns": 6 * 10**9,
+        "memory_limit_hits": 4, "oom_kills": 1, "blkio_delay_ns": -1, "memory_high_events": -1,
+        "cpu_pressure_ns": -1, "memory_pressure_ns": -1, "io_pressure_ns": -1,
+    }  # fmt: skip
+    sampler.write(HostSample(**newest))
+    header = writer.header
+    gc_words = HOST_SIGNALS_OFFSET // 8
+    header[gc_words + HS_GC_COLLECTIONS], header[gc_words + HS_GC_NS] = 31, 250_000_000
+    text = render(TracerCollector(tmp_path))
+    rank = {"job": "pretrain-42", "rank": "5", "local_rank": "5"}
+    for name, (field, scale, extra) in HOST_SERIES.items():
+        assert value(text, name, **rank, **extra) == pytest.approx(newest[field] * scale), name
+    assert value(text, "megatrace_tracer_context_switches_total", **rank, type="voluntary") == 900
+    assert value(text, "megatrace_tracer_host_sample_timestamp_seconds", **rank) == pytest.approx(1.7e9)
+    assert value(text, "megatrace_tracer_gc_collections_total", **rank) == 31
+    assert value(text, "megatrace_tracer_gc_pause_seconds_total", **rank) == pytest.approx(0.25)
+    exported = names(text)
+    for absent in ("blkio_delay", "memory_high_events", "pressure_"):
+        assert not {name for name in exported if absent in name}, absent
+    result = promtool_check(text)
+    assert result.returncode == 0, result.stdout + result.stderr
+    writer.close()
+
+
+def test_a_rank_without_samples_exports_gc_counters_only_and_a_version_3_file_neither(tmp_path: Path) -> None:
+    recorder = start_rank(tmp_path, "j", 2, os.getpid())
+    text = render(TracerCollector(tmp_path))
+    exported = names(text)
+    assert {"megatrace_tracer_gc_collections_total", "megatrace_tracer_gc_pause_seconds_total"} <= exported
+    assert not {name for name in exported if "schedstat" in name or "cfs" in name}
+    recorder.writer.header[W_VERSION] = 3
+    recorder.writer.header[W_HEADER_SIZE] = HEADER_SIZE_V3
+    exported = names(render(TracerCollector(tmp_path)))
+    assert "megatrace_tracer_steps_total" in exported and not {name for name in exported if "gc_" in name}
+    recorder.writer.close()

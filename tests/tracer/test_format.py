@@ -39,9 +39,9 @@ def test_a_ring_file_has_the_documented_bytes(tmp_path: Path) -> None:
     words = struct.unpack_from("<1536q", raw)
     assert raw[:8] == b"MEGATRC\x00"
     assert (words[1], words[2], words[3], words[4], words[8], words[9], words[10], words[11]) == (
-        3, 12288, 72, 4, 2, 2, 4, 77,
+        4, 28672, 72, 4, 2, 2, 4, 77,
     )  # fmt: skip
-    assert words[5] == 12288  # the communicator table follows the three-page header
+    assert words[5] == 28672  # the communicator table follows the seven-page header
     assert raw[768:769] == b"j" and raw[1024:1025] == b"h"
     assert words[32 + 8] == 1 and words[64 + 8] == 16  # calls and bytes of op 8 (send)
     record = raw[words[7] : words[7] + 72]

@@ -14,7 +14,7 @@ import pytest
 
 from megatrace.exporters.tracer_files import TracerCollector
 from megatrace.tracer.format import OP_NAMES, OP_PAUSE, PAUSE_KIND_CODES
-from megatrace.tracer.ringfile import RingSnapshot, read_ring
+from megatrace.tracer.ringfile import RingSnapshot, ops_only, read_ring
 from tests.support.gloo_job import trace_under_torchrun
 from tests.tracer.test_ringfile import counted
 
@@ -92,7 +92,7 @@ def test_pause_records_span_the_calls_and_are_no_collectives(pause_job: tuple) -
             assert int((records["complete_ns"] - records["enqueue_ns"]).sum()) == pause.total_ns
             assert not records["comm_id"].any() and not records["nbytes"].any()
         checkpoints = pause_records(snap, "checkpoint")
-        ops = r[r["op"] != OP_PAUSE]
+        ops = ops_only(r)
         for name, (start, end) in spans.items():
             inside = checkpoints[(checkpoints["enqueue_ns"] >= start) & (checkpoints["complete_ns"] <= end)]
             assert len(inside) == 1, (rank, name)
@@ -101,7 +101,12 @@ def test_pause_records_span_the_calls_and_are_no_collectives(pause_job: tuple) -
                 issued = ops[(ops["enqueue_ns"] >= begin) & (ops["enqueue_ns"] <= finish)]
                 assert len(issued) > 0 and all(int(op) in OP_NAMES for op in issued["op"]), (rank, name)
         assert sum(snap.header.calls_by_op.values()) == len(ops)
-        assert snap.header.records_written == len(r) and snap.header.pause_records == len(r) - len(ops)
+        assert snap.header.records_written == len(r)
+        assert (
+            snap.header.pause_records
+            == len(r[r["op"] == OP_PAUSE])
+            == sum(p.ended for p in snap.header.pauses.values())
+        )
 
 
 def test_histograms_count_what_the_ops_took_and_the_exporter_reports_it(pause_job: tuple) -> None:
@@ -110,7 +115,7 @@ def test_histograms_count_what_the_ops_took_and_the_exporter_reports_it(pause_jo
     summary = families["megatrace_tracer_comm_op_duration_seconds"].samples
     for rank in (0, 1):
         snap = snaps[rank]
-        ops = snap.records[snap.records["op"] != OP_PAUSE]
+        ops = ops_only(snap.records)
         assert set(snap.header.comm_counters) == set(int(c) for c in ops["comm_id"])
         for cid, counters in snap.header.comm_counters.items():
             mine = ops[ops["comm_id"] == cid]

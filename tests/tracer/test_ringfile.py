@@ -72,7 +72,7 @@ def test_written_records_and_counters_read_back(tmp_path: Path) -> None:
     snap = read_ring(tmp_path / "job" / "rank-3.trace")
     h = snap.header
     assert (h.version, h.job, h.rank, h.local_rank, h.world_size, h.host, h.pid) == (
-        3, "job 7/α", 3, 1, 8, "node-3", 4242,
+        4, "job 7/α", 3, 1, 8, "node-3", 4242,
     )  # fmt: skip
     assert (h.capture, h.cuda_device, h.device_uuid) == ("", -1, "")
     took = int(snap.records["complete_ns"][0] - snap.records["enqueue_ns"][0])
@@ -160,8 +160,8 @@ def test_version_1_and_2_files_are_read_and_unknown_versions_refused(tmp_path: P
         "",
         {},
     )
-    writer.header[W_VERSION] = 4
-    with pytest.raises(RingFormatError, match="ring format version 4 is not supported"):
+    writer.header[W_VERSION] = 5
+    with pytest.raises(RingFormatError, match="ring format version 5 is not supported"):
         read_ring(writer.path)
 
 

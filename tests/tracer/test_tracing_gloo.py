@@ -11,14 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from megatrace.analyzer.frames import where_stuck
 from megatrace.tracer.dumpfile import read_dump
-from megatrace.tracer.format import OP_PAUSE
+from megatrace.tracer.format import OP_GC, SPAN_NAMES
+from megatrace.tracer.host_signals import resolve_cgroup
 from megatrace.tracer.ringfile import (
     FLAG_ASYNC,
     FLAG_PROCESS_GROUP,
     OP_NAMES,
     RingSnapshot,
     comm_id,
+    ops_only,
     read_header,
     read_ring,
 )
@@ -56,8 +59,8 @@ def assert_collectives_line_up(snaps: dict[int, RingSnapshot], cut_short: bool =
     seen: dict[tuple[int, int], dict[int, tuple[int, int]]] = defaultdict(dict)
     for rank, snap in snaps.items():
         for row in snap.records:
-            if int(row["op"]) == OP_PAUSE or OP_NAMES[int(row["op"])] in ("send", "recv"):
-                continue  # a pause span (the job's data loader) or a point-to-point op
+            if int(row["op"]) in SPAN_NAMES or OP_NAMES[int(row["op"])] in ("send", "recv"):
+                continue  # a pause span (the job's data loader), a GC span or a point-to-point op
             key = (int(row["comm_id"]), int(row["seq"]))
             assert rank not in seen[key], f"rank {rank} recorded {key} twice"
             seen[key][rank] = (int(row["op"]), int(row["nbytes"]))
@@ -105,7 +108,7 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
     snaps = rings(tmp_path / "ops")
     for rank, snap in snaps.items():
         expected = expected_records(rank)
-        r = snap.records
+        r = ops_only(snap.records)
         assert [OP_NAMES[int(code)] for code in r["op"]] == [entry[0] for entry in expected]
         for row, (_, members, nbytes, peer, is_async) in zip(r, expected, strict=True):
             assert snap.communicators[int(row["comm_id"])] == members
@@ -120,7 +123,7 @@ def test_every_op_recorded_on_every_rank_under_megatrace_trace_and_torchrun(
         h = snap.header
         assert h.capture == capture and h.cuda_device == -1
         assert h.finished and h.oldest_inflight_enqueue_ns == 0
-        assert sum(c.issued for c in h.comm_counters.values()) == len(snap.records)
+        assert sum(c.issued for c in h.comm_counters.values()) == len(ops_only(snap.records))
         assert all(c.completed == c.issued and c.inflight_seq == -1 for c in h.comm_counters.values())
         assert h.calls_by_op["all_gather"] == 4 and h.bytes_by_op["all_reduce"] == 40 + 48 + 12
         assert sum(h.calls_by_op.values()) == len(r)
@@ -196,6 +199,17 @@ def test_injected_hang_dumps_on_every_rank_and_shows_who_never_entered(tmp_path:
     assert hung.header.step_count == 3
     assert int(hung.records[hung.records["comm_id"] == cid]["seq"].max()) == seq - 1
     assert all(not snap.header.finished for snap in rings(job).values())
+    # every stall dump carries the rank's stacks: the hung rank waits in the injected hang, the
+    # others in the training loop with the collective in flight
+    hung_at = where_stuck(hung.stacks, hung.header.oldest_inflight_op)
+    assert hung_at is not None and hung_at.frames[0].function == "hang_forever"
+    for rank in (0, 1, 3):
+        snap = latest[rank][1]
+        waiting = where_stuck(snap.stacks, snap.header.oldest_inflight_op)
+        assert waiting is not None and waiting.frames[0].file.endswith("example_train.py"), waiting
+        assert "→ `torch.distributed.distributed_c10d.all_reduce` (example_train.py:" in waiting.text
+        assert waiting.text.endswith(f"collective `{snap.header.oldest_inflight_op}` in flight")
+        assert {stack.name for stack in snap.stacks} >= {"MainThread", "megatrace-watchdog"}
 
 
 def test_injected_slow_rank_arrives_last_in_the_recorded_times(tmp_path: Path) -> None:
@@ -207,10 +221,35 @@ def test_injected_slow_rank_arrives_last_in_the_recorded_times(tmp_path: Path) -
     snaps = rings(run_traced_job(tmp_path, steps=12, env=env))
     enqueue: dict[tuple[int, int], dict[int, int]] = defaultdict(dict)
     for rank, snap in snaps.items():
-        for row in snap.records:
+        for row in ops_only(snap.records):  # spans are numbered per rank, not matched across ranks
             enqueue[(int(row["comm_id"]), int(row["seq"]))][rank] = int(row["enqueue_ns"])
     with_slow = [by_rank for by_rank in enqueue.values() if 1 in by_rank and len(by_rank) > 1]
     last_is_slow = sum(max(by_rank, key=by_rank.get) == 1 for by_rank in with_slow)
     assert last_is_slow >= 0.8 * len(with_slow), (last_is_slow, len(with_slow))
     waits = {rank: snap.header.wait_ns_total for rank, snap in snaps.items()}
     assert waits[1] < min(waits[0], waits[2], waits[3])
+
+
+def test_a_real_job_writes_host_samples_and_gc_spans_without_code_change(tmp_path: Path) -> None:
+    """gc_job.py builds Python objects as a data pipeline does and knows nothing of the tracer; under
+    ``megatrace trace`` each rank counts its garbage collections, writes the long ones as GC spans, and
+    samples its own process and cgroup into its ring and its exit dump."""
+    trace_under_torchrun(tmp_path, "gc", HERE / "gc_job.py", 2)
+    cgroup = resolve_cgroup()
+    for rank in range(2):
+        snap = read_ring(tmp_path / "gc" / f"rank-{rank}.trace")
+        h = snap.header
+        spans = snap.records[snap.records["op"] == OP_GC]
+        assert h.version == 4 and h.gc_collections >= len(spans) > 0 and h.gc_ns > 0
+        took = spans["complete_ns"] - spans["enqueue_ns"]
+        assert (took >= 1_000_000).all() and int(took.sum()) <= h.gc_ns
+        assert set(spans["peer"].tolist()) <= {0, 1, 2} and (spans["comm_id"] == 0).all()
+        assert list(spans["seq"]) == sorted(set(spans["seq"].tolist()))  # each collection once, in order
+        assert h.host_samples and h.main_thread_id != 0 and h.cgroup_version == cgroup.version
+        first, last = h.host_samples[0], h.host_samples[-1]
+        assert last.cpu_ns >= first.cpu_ns > 0 and last.time_ns >= first.time_ns
+        assert last.gc_collections <= h.gc_collections and last.nonvoluntary_switches >= 0
+        (exit_dump,) = (tmp_path / "gc").glob(f"rank-{rank}.*.dump")
+        dumped = read_dump(exit_dump).header
+        assert dumped.host_samples == h.host_samples and dumped.gc_collections == h.gc_collections
+        assert assert_collectives_line_up({rank: snap}, cut_short=True) > 0

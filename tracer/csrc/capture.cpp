@@ -831,7 +831,8 @@ void attach(const std::string& path) {
 }
 
 // A completed span that is no op (a pause, from the Python side): one record, numbered like the ops.
-void record_span(int64_t op, int32_t peer, int64_t seq, int64_t start_ns, int64_t end_ns, int64_t step) {
+void record_span(int64_t op, int32_t peer, int64_t seq, int64_t start_ns, int64_t end_ns, int64_t step,
+                 int64_t nbytes) {
   TORCH_CHECK(op > 0 && op < kMaxOps, "megatrace: record op ", op, " is outside the op table");
   RingUse use;
   Ring* ring = use.get();
@@ -842,6 +843,7 @@ void record_span(int64_t op, int32_t peer, int64_t seq, int64_t start_ns, int64_
   std::atomic_thread_fence(std::memory_order_release);
   std::memset(reinterpret_cast<char*>(record) + sizeof(record->serial), 0, sizeof(Record) - sizeof(record->serial));
   record->seq = seq;
+  record->nbytes = static_cast<uint64_t>(nbytes);
   record->enqueue_ns = start_ns;
   record->complete_ns = end_ns;
   record->step = step;
@@ -876,7 +878,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("detach", &detach, py::call_guard<py::gil_scoped_release>(),
         "Stop recording, stop the completion thread and unmap the ring.");
   m.def("record_span", &record_span, py::arg("op"), py::arg("peer"), py::arg("seq"), py::arg("start_ns"),
-        py::arg("end_ns"), py::arg("step"), "Write a completed span that is no op (a pause) as a ring record.");
+        py::arg("end_ns"), py::arg("step"), py::arg("nbytes") = 0,
+        "Write a completed span that is no op (a pause, a garbage collection) as a ring record.");
   m.def("serial", [] {
     Ring* ring = g_ring.load();
     return ring ? ring->serial.load() : int64_t{0};
