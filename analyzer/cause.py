@@ -318,7 +318,12 @@ def explain(table: TraceTable, report: dict[str, Any]) -> dict[str, Any] | None:
                 "rank": rank,
                 "class": "python",
                 "evidence": f"rank {rank}'s main thread is {stuck.text}, outside any collective, "
-                f"while its peers wait in one",
+                f"while its peers wait in one"
+                + (
+                    "; it holds the GIL (its watchdog could not run: faulthandler's timer took the stacks)"
+                    if info.stacks_frozen
+                    else ""
+                ),
                 "frame": {"file": frame.file, "line": frame.line, "function": frame.function},
                 "where": f"{stuck.text} for {stuck_s:.0f} s",
             }
