@@ -21,8 +21,8 @@ from openpyxl.chart import BarChart, Reference
 from openpyxl.styles import Font
 
 from megatrace.alertbot.config import LEVELS, OncallConfig
+from megatrace.alertbot.incident import cause_text, node_of
 from megatrace.alertbot.incident import load as load_incident
-from megatrace.alertbot.incident import node_of
 from megatrace.alertbot.kinds import EpisodeStatus
 from megatrace.alertbot.oncall import rotation
 from megatrace.alertbot.store import Store
@@ -40,6 +40,7 @@ DETAIL_COLUMNS = (
     "Job",
     "Node",
     "Culprit",
+    "Cause",
     "Alerts",
     "Summary",
     "Recurrence",
@@ -53,14 +54,15 @@ DETAIL_COLUMNS = (
 MAX_WIDTH = 60
 
 
-def counted_once(store: Store, since: float, until: float) -> list[tuple[Episode, str, int]]:
+def counted_once(store: Store, since: float, until: float) -> list[tuple[Episode, str, str, int]]:
     """The episodes starting in [since, until) with an incident's other alerts folded into its first:
-    (episode, culprit, alerts), where an incident's row ends when the incident did."""
+    (episode, culprit, cause, alerts), where an incident's row ends when the incident did and its
+    cause is the drill-down's class and evidence about the culprit ("" when none was named)."""
     incidents = {row.lead_episode_id: row for row in store.incidents.led_between(since, until)}
     found = []
     for row in store.episodes.between(since, until):
         if row.incident_id is None:
-            found.append((row, "", 1))
+            found.append((row, "", "", 1))
             continue
         incident = incidents.get(row.id)
         if incident is None:  # another alert of an incident: counted with its first
@@ -74,7 +76,8 @@ def counted_once(store: Store, since: float, until: float) -> list[tuple[Episode
             status=EpisodeStatus.RESOLVED if closed else EpisodeStatus.FIRING,
             ends_at=shown.ended if shown is not None and closed else None,
         )
-        found.append((episode, named, len(store.incidents.members(incident.id))))
+        cause = cause_text(shown) if shown else ""
+        found.append((episode, named, cause, len(store.incidents.members(incident.id))))
     return found
 
 
@@ -152,7 +155,7 @@ def weekly_report(
     """The report of episodes starting in [since, until), with who was on call each day."""
     zone = ZoneInfo(timezone)
     counted = counted_once(store, since, until)
-    rows = [episode for episode, _, _ in counted]
+    rows = [episode for episode, _, _, _ in counted]
     first_day = datetime.fromtimestamp(since, zone).date()
     last_day = datetime.fromtimestamp(max(since, until - 1), zone).date()
     days = [first_day + timedelta(days=i) for i in range((last_day - first_day).days + 1)]
@@ -179,6 +182,7 @@ def weekly_report(
             row.labels.get("job", ""),
             node_of(row.labels),
             culprit,
+            cause,
             alerts,
             row.annotations.get("summary", ""),
             row.recurrence,
@@ -187,7 +191,7 @@ def weekly_report(
             row.duplicates,
             row.fingerprint,
         ]
-        for row, culprit, alerts in counted
+        for row, culprit, cause, alerts in counted
     ]
     duty: list[list[object]] = []
     for day in days:

@@ -156,9 +156,15 @@ SIGNALS: tuple[Signal, ...] = (
 
 
 def window_of(samples: Sequence[HostSample], start_ns: int, end_ns: int) -> Window | None:
-    """The rank's samples bracketing [start_ns, end_ns] as closely as they allow: the last sample at
-    or before the start (else the first), the last at or before the end (else the last); None when
-    fewer than two distinct sample times remain. Its own time is left unset (`with_own_time`)."""
+    """The rank's samples over [start_ns, end_ns]: the first and last inside it where two are, else
+    those bracketing it as closely as they allow (the last at or before the start, else the first; the
+    last at or before the end, else the last); None when fewer than two distinct sample times remain.
+    Samples inside are preferred: one taken before the traced window counts what the rank did before
+    its first call (the imports' and the model's garbage collections, the data loaders' start), which
+    its peers did too but over far less of their own time. Its own time is left unset (`with_own_time`)."""
+    inside = [i for i, s in enumerate(samples) if start_ns <= s.time_ns <= end_ns]
+    if len(inside) >= 2 and samples[inside[-1]].time_ns > samples[inside[0]].time_ns:
+        return Window(samples[inside[0]], samples[inside[-1]], inside[-1] - inside[0] + 1)
     if len(samples) < 2:
         return None
     before = [i for i, s in enumerate(samples) if s.time_ns <= start_ns]
@@ -318,7 +324,12 @@ def explain(table: TraceTable, report: dict[str, Any]) -> dict[str, Any] | None:
                 "rank": rank,
                 "class": "python",
                 "evidence": f"rank {rank}'s main thread is {stuck.text}, outside any collective, "
-                f"while its peers wait in one",
+                f"while its peers wait in one"
+                + (
+                    "; it holds the GIL (its watchdog could not run: faulthandler's timer took the stacks)"
+                    if info.stacks_frozen
+                    else ""
+                ),
                 "frame": {"file": frame.file, "line": frame.line, "function": frame.function},
                 "where": f"{stuck.text} for {stuck_s:.0f} s",
             }

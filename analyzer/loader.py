@@ -197,21 +197,23 @@ def _table(
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
     seen_until: dict[int, int] = {}  # the latest any file shows of a rank (a stall dump after the ring)
-    stacks: dict[int, tuple[int, tuple[ThreadStack, ...]]] = {}  # each rank's newest stacks, from any file
+    stacks: dict[
+        int, tuple[int, tuple[ThreadStack, ...], bool]
+    ] = {}  # each rank's newest stacks, from any file
     for name, items in parsed.items():
         for item in items:
             if isinstance(item, RankStacks) and item.stacks:
-                _newest_stacks(stacks, item.rank, item.taken_ns, item.stacks)
+                _newest_stacks(stacks, item.rank, item.taken_ns, item.stacks, True)
         for calls in READERS[name].resolve(items, layout):
             _keep_best(by_rank, name, calls, report)
             seen_until[calls.rank] = max(seen_until.get(calls.rank, 0), calls.info.observed_until_ns)
             if calls.info.stacks:
-                _newest_stacks(stacks, calls.rank, calls.info.observed_until_ns, calls.info.stacks)
+                _newest_stacks(stacks, calls.rank, calls.info.observed_until_ns, calls.info.stacks, False)
     builder = TableBuilder()
     for rank in sorted(by_rank):
         calls = by_rank[rank][3]
         calls.info.observed_until_ns = seen_until[rank]
-        calls.info.stacks_ns, calls.info.stacks = stacks.get(rank, (0, ()))
+        calls.info.stacks_ns, calls.info.stacks, calls.info.stacks_frozen = stacks.get(rank, (0, (), False))
         builder.add(calls, calls.info.source)
     table = builder.build()
     # what the per-rank arrays left in glibc's heap (the small ones) goes back to the system too
@@ -221,13 +223,16 @@ def _table(
 
 
 def _newest_stacks(
-    found: dict[int, tuple[int, tuple[ThreadStack, ...]]],
+    found: dict[int, tuple[int, tuple[ThreadStack, ...], bool]],
     rank: int,
     taken_ns: int,
     stacks: tuple[ThreadStack, ...],
+    frozen: bool,
 ) -> None:
+    """Keep the newest stacks of `rank`; `frozen`: faulthandler's timer wrote them (the stacks file),
+    so the rank's Python watchdog could not run: its training thread held the GIL."""
     if rank not in found or taken_ns > found[rank][0]:
-        found[rank] = (taken_ns, stacks)
+        found[rank] = (taken_ns, stacks, frozen)
 
 
 def _rank_of(item: object) -> int:

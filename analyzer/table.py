@@ -57,6 +57,7 @@ class RankInfo:
     spans: np.ndarray | None = None
     stacks: tuple[ThreadStack, ...] = ()
     stacks_ns: int = 0
+    stacks_frozen: bool = False  # taken by faulthandler's timer: the rank's training thread held the GIL
 
 
 @dataclass

@@ -22,6 +22,7 @@ from megatrace.alertbot.report import DETAIL_COLUMNS, weekly_report, write_workb
 from megatrace.alertbot.service import Service
 from megatrace.cli import main
 from tests.alertbot.conftest import TOKEN, Bot, alert, config, fingerprint, webhook
+from tests.alertbot.test_incident import T0, VERDICT, verdict_delivered
 from tests.support.feishu_server import FeishuServer
 from tests.support.services import free_port, running
 
@@ -136,12 +137,12 @@ def test_workbook_cell_by_cell(tmp_path: Path) -> None:
     assert detail[1][1:] == [
         "MegatraceRankHang", "P0", "P0", "resolved",
         datetime(2026, 11, 16, 10), datetime(2026, 11, 16, 10, 30), 30.0,
-        "llm", "gpu-1", None, 1, "MegatraceRankHang on gpu-1:9450",
+        "llm", "gpu-1", None, None, 1, "MegatraceRankHang on gpu-1:9450",
         0, None, None, 0, fingerprint(hang_labels),
     ]  # fmt: skip
-    assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][13] == 1  # the recurrence
+    assert detail[3][2:5] == ["P2", "P2", "resolved"] and detail[3][14] == 1  # the recurrence
     assert detail[4][4:8] == ["firing", datetime(2026, 11, 19, 14), None, None]
-    assert detail[4][10:12] == ["rank 5 on gpu-1", 1]  # a slow-rank alert names its rank
+    assert detail[4][10:13] == ["rank 5 on gpu-1", None, 1]  # a slow-rank alert names its rank
     assert detail[5][2:4] == ["P3", "info"] and detail[5][9] == "gpu-3"
     assert summary["total"] == 5 and summary["by_level"] == [("P0", 1), ("P1", 1), ("P2", 2), ("P3", 1)]
     assert summary["mttr"] == "30.0 min"
@@ -170,10 +171,10 @@ def test_a_hang_counts_once_with_its_culprit_in_a_filterable_sized_detail(tmp_pa
     detail = openpyxl.load_workbook(path)["Detail"]
     rows = values(detail)
     assert len(rows) == 2
-    assert rows[1][1:12] == [
+    assert rows[1][1:13] == [
         "MegatraceJobHang", "P0", "P0", "resolved",
         datetime(2026, 11, 18, 9), datetime(2026, 11, 18, 9, 20), 20.0,
-        "llm", None, "rank 3 on gpu-7", 3,
+        "llm", None, "rank 3 on gpu-7", None, 3,
     ]  # fmt: skip
     assert detail.auto_filter.ref == f"A1:{detail.cell(1, detail.max_column).column_letter}2"
     widths = {
@@ -380,3 +381,15 @@ def test_a_summary_that_looks_like_a_formula_stays_text(tmp_path: Path, lead: st
     with zipfile.ZipFile(path) as book:
         sheets = [name for name in book.namelist() if name.startswith("xl/worksheets/")]
         assert sheets and not any(re.search(rb"<(\w+:)?f[ >/]", book.read(name)) for name in sheets)
+
+
+def test_an_incidents_row_gives_the_cause_the_drill_down_named(tmp_path: Path) -> None:
+    verdict = {**VERDICT, "why": {"rank": 5, "class": "cpu_quota", "evidence": "throttled 63 % vs 0 %"}}
+    bot, runner = verdict_delivered(tmp_path, verdict)
+    runner.shutdown()
+    path = tmp_path / "week.xlsx"
+    write_workbook(weekly_report(bot.store, T0 - 3600, T0 + 3600), path)
+    header, *rows = values(openpyxl.load_workbook(path)["Detail"])
+    (row,) = (r for r in rows if r[header.index("Alert")] == "MegatraceJobHang")
+    assert row[header.index("Culprit")] == "rank 5 on gpu-9"
+    assert row[header.index("Cause")] == "CPU quota: throttled 63 % vs 0 %"

@@ -150,9 +150,31 @@ def test_no_why_for_a_healthy_job_and_unknown_without_any_signal() -> None:
     assert explain(table(signals), slow_report(2))["class"] == "unknown"
 
 
-def test_the_window_brackets_the_interval_with_the_samples_it_has() -> None:
+def test_the_window_takes_the_samples_inside_the_interval_else_those_around_it() -> None:
     series = samples(runq_ns=0.1 * S)
     window = window_of(series, T0 + int(4.5 * S), T0 + 12 * S)
     assert window is not None
-    assert (window.first.time_ns, window.last.time_ns, window.samples) == (T0 + 4 * S, T0 + 12 * S, 9)
+    assert (window.first.time_ns, window.last.time_ns, window.samples) == (T0 + 5 * S, T0 + 12 * S, 8)
+    window = window_of(series, T0 + int(4.5 * S), T0 + int(5.5 * S))  # one sample inside: bracketed
+    assert window is not None
+    assert (window.first.time_ns, window.last.time_ns, window.samples) == (T0 + 4 * S, T0 + 5 * S, 2)
     assert window_of(series[:1], T0, T0 + S) is None
+
+
+def test_what_the_peers_did_before_their_first_call_is_not_compared() -> None:
+    """Real GC storm run: every rank collected ~0.3 s of garbage at start-up (imports, the model), a
+    second before the first collective; counted against the little own time of the waiting peers it
+    made them look as busy with GC as the storming rank (28 % against 53 %)."""
+
+    def with_startup_gc(storm: float) -> tuple[HostSample, ...]:
+        series = []
+        for t in [x + 0.5 for x in range(-3, 20)]:  # a sample half a second before the first call
+            gc_ns = (0.3 * S if t > 0 else 0) + storm * S * max(t - 0.5, 0)
+            series.append(dataclasses.replace(sample(0), time_ns=T0 + int(t * S), gc_ns=int(gc_ns)))
+        return tuple(series)
+
+    signals = {r: with_startup_gc(0.0) for r in range(3)}
+    signals[2] = with_startup_gc(0.3)
+    waits = {0: 0.95, 1: 0.95, 2: 0.05}
+    why = classify(table(signals, waits=waits), 2, T0, T0 + 20 * S)
+    assert why["class"] == "gc", why

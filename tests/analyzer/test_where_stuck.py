@@ -69,6 +69,7 @@ def test_a_checkpoint_write_to_a_fifo_is_found_in_torch_save(tmp_path: Path) -> 
         wait_for(lambda: fired_stacks(job_dir), "faulthandler to write the stacks")
         table, report = load([tmp_path])
     assert report.files_by_format.get("stacks") == 1
+    assert table.ranks[0].stacks_frozen  # faulthandler's timer took them: torch.save holds the GIL
     stacks = table.ranks[0].stacks
     stuck = where_stuck(stacks)
     assert stuck is not None
@@ -87,7 +88,7 @@ def test_a_rank_waiting_on_a_file_lock_is_found_in_take_lock(tmp_path: Path) -> 
             table, report = load([tmp_path])
     assert report.files_by_format.get("dump", 0) >= 1 and report.files_by_format.get("ring") == 1
     # the live ring wins over the dump as the rank's calls; the dump's stacks still reach the rank
-    assert table.ranks[0].fmt == "ring"
+    assert table.ranks[0].fmt == "ring" and not table.ranks[0].stacks_frozen
     stuck = where_stuck(table.ranks[0].stacks, in_flight="")
     assert stuck is not None and stuck.frames[0].function == "take_lock"
     assert stuck.text.startswith("in `main` → `take_lock` (stuck_rank.py:")

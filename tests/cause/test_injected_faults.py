@@ -251,6 +251,7 @@ def test_a_hang_in_a_file_lock_names_the_frame(tmp_path: Path, plan, record_row)
     assert_hang_named(run, p.culprit)
     record_row("hang in a file lock (flock)", p, "python: take_lock", run.why, took)
     assert_stuck_in(run, p.culprit, "take_lock")
+    assert "GIL" not in run.why["evidence"], run.why  # flock lets the GIL go: its own watchdog dumped
 
 
 def test_a_checkpoint_to_a_fifo_nobody_reads_names_the_frame(tmp_path: Path, plan, record_row) -> None:
@@ -279,6 +280,7 @@ def test_a_checkpoint_to_a_fifo_nobody_reads_names_the_frame(tmp_path: Path, pla
     assert_hang_named(run, p.culprit)
     record_row("hang in torch.save to a FIFO", p, "python: write_checkpoint", run.why, took)
     assert_stuck_in(run, p.culprit, "write_checkpoint")
+    assert "it holds the GIL" in run.why["evidence"], run.why
 
 
 def test_a_quota_on_a_rank_that_is_not_the_culprit_is_not_blamed(tmp_path: Path, plan, record_row) -> None:
