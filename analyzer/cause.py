@@ -29,7 +29,8 @@ from megatrace.analyzer.table import RankInfo, TraceTable
 from megatrace.tracer.format import OP_GC, OP_PAUSE, PAUSE_KIND_CODES
 from megatrace.tracer.ringfile import HostSample
 
-# Every class `why` can name; `gpu` and `network` are named by the bot's drill-down.
+# Every class `why` can name (the contract with the bot, whose card has words and a first step for
+# each but `unknown`); `gpu` and `network` are named by the bot's drill-down.
 CLASSES = (
     "gpu",
     "network",

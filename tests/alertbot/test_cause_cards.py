@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.alertbot.incident import CAUSE_NAMES
+from megatrace.alertbot.incident import CAUSE_NAMES, CAUSE_STEPS
 from megatrace.alertbot.node_findings import Finding, cause_from_nodes
+from megatrace.analyzer.cause import CLASSES, SIGNALS
 from tests.alertbot.test_incident import VERDICT, text, verdict_delivered
 
 WHY = {
@@ -103,3 +104,8 @@ def test_link_errors_name_network_only_when_the_peers_are_on_other_nodes() -> No
     assert named is not None and named["class"] == "network"
     # every peer on the same node: its links are theirs too
     assert cause_from_nodes({"host": "gpu-1", "gpu": 0}, [{"host": "gpu-1", "gpu": 1}], [LINK]) is None
+
+
+def test_every_class_the_analyzer_or_the_drill_down_names_has_its_words_and_first_step() -> None:
+    assert set(CAUSE_STEPS) == set(CAUSE_NAMES) == set(CLASSES) - {"unknown"}
+    assert {signal.cls for signal in SIGNALS} | {"python", "gpu", "network"} == set(CLASSES) - {"unknown"}
