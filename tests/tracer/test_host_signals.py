@@ -4,6 +4,7 @@ the header's sample ring, dumps and agent windows that carry it, and the GC hook
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -289,19 +291,20 @@ QUOTA_CHILD = textwrap.dedent(
 )
 
 
-def test_a_real_cgroup_v1_cpu_quota_moves_the_throttle_counters(tmp_path: Path) -> None:
-    """A cgroup made here under the v1 cpu controller with a 10 % quota; a process in it burning CPU."""
-    controller = Path("/sys/fs/cgroup/cpu")
-    assert (controller / "cpu.cfs_quota_us").exists(), "this machine mounts the cgroup v1 cpu controller"
-    group = controller / f"megatrace-test-{os.getpid()}"
+@contextlib.contextmanager
+def sampled_in_cgroup(
+    group: Path, child_code: str, trace: Path, setup: dict[str, str]
+) -> Iterator[HostSample]:
+    """Make cgroup `group` (its files `setup` written), run `child_code` in it (it samples into
+    `trace` once this test moved it in, and prints the cgroup folder its sampler found, which must be
+    `group`), and yield the child's last sample while the cgroup still exists; the cgroup always goes."""
     group.mkdir()
     child = None
     try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text("10000")
-        path = tmp_path / "q.trace"
+        for name, value in setup.items():
+            (group / name).write_text(value)
         child = subprocess.Popen(
-            [sys.executable, "-c", QUOTA_CHILD, str(path)],
+            [sys.executable, "-c", child_code, str(trace)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -310,17 +313,26 @@ def test_a_real_cgroup_v1_cpu_quota_moves_the_throttle_counters(tmp_path: Path) 
         out, _ = child.communicate("go\n", timeout=300)
         assert child.returncode == 0
         assert out.split()[0] == str(group)
-        last = read_header(path).host_samples[-1]
-        # the cgroup was made by this test, so its counters started at 0; the kernel's own file agrees
-        stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
-        assert 0 < last.cfs_throttled_periods <= int(stat["nr_throttled"])
-        assert 0 < last.cfs_throttled_ns <= int(stat["throttled_time"])
-        assert last.cfs_throttled_periods <= last.cfs_periods <= int(stat["nr_periods"])
+        yield read_header(trace).host_samples[-1]
     finally:
         if child is not None and child.poll() is None:
             child.kill()
             child.wait()
         group.rmdir()
+
+
+def test_a_real_cgroup_v1_cpu_quota_moves_the_throttle_counters(tmp_path: Path) -> None:
+    """A cgroup made here under the v1 cpu controller with a 10 % quota; a process in it burning CPU."""
+    controller = Path("/sys/fs/cgroup/cpu")
+    assert (controller / "cpu.cfs_quota_us").exists(), "this machine mounts the cgroup v1 cpu controller"
+    group = controller / f"megatrace-test-{os.getpid()}"
+    quota = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "10000"}
+    with sampled_in_cgroup(group, QUOTA_CHILD, tmp_path / "q.trace", quota) as last:
+        # the cgroup was made by this test, so its counters started at 0; the kernel's own file agrees
+        stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+        assert 0 < last.cfs_throttled_periods <= int(stat["nr_throttled"])
+        assert 0 < last.cfs_throttled_ns <= int(stat["throttled_time"])
+        assert last.cfs_throttled_periods <= last.cfs_periods <= int(stat["nr_periods"])
 
 
 PRESSURE_CHILD = textwrap.dedent(
@@ -357,31 +369,11 @@ def test_a_real_cgroup_v2_gives_its_own_pressure(tmp_path: Path) -> None:
     unified = Path("/sys/fs/cgroup/unified")
     assert (unified / "cpu.pressure").exists(), "this machine mounts cgroup2 with pressure accounting"
     group = unified / f"megatrace-test-{os.getpid()}"
-    group.mkdir()
-    child = None
-    try:
-        path = tmp_path / "p.trace"
-        child = subprocess.Popen(
-            [sys.executable, "-c", PRESSURE_CHILD, str(path)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        (group / "cgroup.procs").write_text(str(child.pid))
-        out, _ = child.communicate("go\n", timeout=300)
-        assert child.returncode == 0
-        assert out.split()[0] == str(group)
-        last = read_header(path).host_samples[-1]
-        some = dict(
-            item.split("=") for item in (group / "cpu.pressure").read_text().split("\n")[0].split()[1:]
-        )
+    with sampled_in_cgroup(group, PRESSURE_CHILD, tmp_path / "p.trace", {}) as last:
+        first_line = (group / "cpu.pressure").read_text().split("\n")[0]
+        some = dict(item.split("=") for item in first_line.split()[1:])
         # the cgroup was made by this test, so its pressure started at 0; the kernel's own file agrees
         assert 0 < last.cpu_pressure_ns <= int(some["total"]) * 1000
-    finally:
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
-        group.rmdir()
 
 
 def test_the_sample_ring_keeps_the_newest_and_skips_a_slot_caught_mid_write(tmp_path: Path) -> None:
