@@ -9,7 +9,6 @@ import fcntl
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from megatrace.analyzer.loader import load
 from megatrace.tracer.dumpfile import read_dump
 from megatrace.tracer.stack_fallback import read_stacks_file
 from megatrace.tracer.stacks import Frame, ThreadStack
+from tests.support.waiting import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 STALL_MS = 500
@@ -39,16 +39,6 @@ def stuck_rank(job_dir: Path, mode: str, arg: str) -> Iterator[subprocess.Popen[
         proc.communicate(timeout=30)
 
 
-def wait_for(condition, what: str, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def fired_stacks(job_dir: Path) -> bool:
     return any(read_stacks_file(path).firings for path in job_dir.glob("*.stacks"))
 
@@ -66,7 +56,7 @@ def test_a_checkpoint_write_to_a_fifo_is_found_in_torch_save(tmp_path: Path) -> 
     os.mkfifo(fifo)
     job_dir = tmp_path / "job"
     with stuck_rank(job_dir, "fifo", str(fifo)):
-        wait_for(lambda: fired_stacks(job_dir), "faulthandler to write the stacks")
+        wait_for(lambda: fired_stacks(job_dir), 90, "faulthandler to write the stacks")
         table, report = load([tmp_path])
     assert report.files_by_format.get("stacks") == 1
     assert table.ranks[0].stacks_frozen  # faulthandler's timer took them: torch.save holds the GIL
@@ -84,7 +74,7 @@ def test_a_rank_waiting_on_a_file_lock_is_found_in_take_lock(tmp_path: Path) -> 
     with open(lock, "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # this process holds it; the rank waits
         with stuck_rank(job_dir, "flock", str(lock)):
-            wait_for(lambda: stall_dump_with(job_dir, "take_lock"), "a stall dump naming take_lock")
+            wait_for(lambda: stall_dump_with(job_dir, "take_lock"), 90, "a stall dump naming take_lock")
             table, report = load([tmp_path])
     assert report.files_by_format.get("dump", 0) >= 1 and report.files_by_format.get("ring") == 1
     # the live ring wins over the dump as the rank's calls; the dump's stacks still reach the rank

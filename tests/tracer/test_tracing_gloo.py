@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from megatrace.tracer.ringfile import (
     read_ring,
 )
 from tests.support.gloo_job import run_traced_job, start_traced_job, trace_under_torchrun
+from tests.support.waiting import wait_for
 from tests.tracer import ops_job
 
 pytestmark = pytest.mark.slow
@@ -35,16 +35,6 @@ GROUPS = {
     ops_job.PAIRS: lambda rank: (rank // 2 * 2, rank // 2 * 2 + 1),
     ops_job.EVEN_ODD: lambda rank: (rank % 2, rank % 2 + 2),
 }
-
-
-def wait_for(condition, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def rings(job_dir: Path, world: int = 4) -> dict[int, RingSnapshot]:
