@@ -89,7 +89,7 @@ def test_cpu_hog_on_the_culprits_core_is_cpu_contention(tmp_path: Path, plan, re
         run = run_faulted(
             tmp_path,
             3,
-            [f"--steps={STEPS}", "--work=30"],
+            [f"--steps={STEPS}", "--work=60"],
             prepare,
             hogs.start,
             release_at=LAST_STEP,
