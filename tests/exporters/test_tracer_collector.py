@@ -190,16 +190,6 @@ EXPORTER_VIEW_SCRIPT = """
 import os, sys
 from pathlib import Path
 from megatrace.exporters.tracer_files import TracerCollector, process_exists
-from megatrace.tracer.format import (
-    HEADER_SIZE_V3,
-    HOST_SAMPLE_FIELDS,
-    HOST_SIGNALS_OFFSET,
-    HS_GC_COLLECTIONS,
-    HS_GC_NS,
-    W_HEADER_SIZE,
-    W_VERSION,
-)
-from megatrace.tracer.host_signals import CgroupDirs, HostSampler
 from megatrace.tracer.ringfile import read_header, ring_path
 view = Path(sys.argv[1])
 header = read_header(ring_path(view / "ns-job", 5))
