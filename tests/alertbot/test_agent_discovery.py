@@ -10,7 +10,6 @@ import contextlib
 import http.server
 import json
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from tests.alertbot.conftest import Bot, alert, config, webhook
 from tests.support.blackhole import blackholed
 from tests.support.gloo_job import run_traced_job
 from tests.support.services import free_port, prometheus_argv, running, serving
+from tests.support.stuck_rank import held_gil_stacks
 
 JOB = "llm-9"
 TOKEN = "agent-token-for-tests"
@@ -292,13 +292,7 @@ def test_the_drill_down_fetches_the_stacks_faulthandler_wrote_for_a_rank(tmp_pat
     """A rank that held the GIL past its stall threshold has only faulthandler's stacks file to say
     where it was: the gathering fetches it beside the ring, and the analyzer reads it."""
     root = tmp_path / "root"
-    subprocess.run(
-        [sys.executable, "-m", "tests.support.stuck_rank", str(root / "held-gil"), "500", "gil", "3"],
-        cwd=Path(__file__).resolve().parents[2],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    held_gil_stacks(root / "held-gil")
     with agent(tmp_path, "127.0.0.1", root, "node-a") as (_, trace_port):
         cfg = agents_config(tmp_path, trace_port, fallback=AgentFallbackConfig(dns_name="localhost"))
         found = gather("held-gil", "", cfg, tmp_path / "out")

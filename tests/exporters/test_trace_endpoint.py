@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from megatrace.tracer.stacks import main_stack
 from tests.exporters.exposition import render, value
 from tests.support import scenarios as S
 from tests.support.services import free_port, running
+from tests.support.stuck_rank import held_gil_stacks
 
 TOKEN = "s3cret-trace-token"
 
@@ -382,13 +382,7 @@ def test_no_answer_names_a_path_on_the_server(tmp_path: Path) -> None:
 def test_a_ranks_stacks_file_is_listed_and_served_whole(tmp_path: Path) -> None:
     """A real stacks file: a rank that held the GIL past its stall threshold (`stuck_rank gil`)."""
     root = tmp_path / "traces"
-    subprocess.run(
-        [sys.executable, "-m", "tests.support.stuck_rank", str(root / "job"), "500", "gil", "3"],
-        cwd=Path(__file__).resolve().parents[2],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    held_gil_stacks(root / "job")
     (name,) = [path.name for path in (root / "job").glob("*.stacks")]
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")

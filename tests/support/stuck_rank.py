@@ -18,6 +18,7 @@ import faulthandler
 import fcntl
 import os
 import queue
+import subprocess
 import sys
 import threading
 import time
@@ -73,6 +74,18 @@ def main(job_dir: Path, stall_ms: int, mode: str, args: list[str]) -> None:
         take_lock(args[0])
     watchdog.stop()
     writer.close()
+
+
+def held_gil_stacks(job_dir: Path) -> None:
+    """Run a rank that holds the GIL for 3 s past a 0.5 s stall threshold, in its own process, so that
+    faulthandler's timer writes its stacks file into `job_dir`."""
+    subprocess.run(
+        [sys.executable, "-m", "tests.support.stuck_rank", str(job_dir), "500", "gil", "3"],
+        cwd=Path(__file__).resolve().parents[2],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 if __name__ == "__main__":
