@@ -1,7 +1,7 @@
 """Record the analyzer's corpus of real runs: Megatron-style gloo jobs with injected faults, each labelled.
 
 Usage: python bench/corpus.py --out DIR [--runs 154] [--seed 20261123] [--only CLASS]
-       python bench/corpus.py --plan users --out DIR [--runs 64] [--seed 20261127]
+       python bench/corpus.py --plan users --out DIR [--runs 64] [--seed 20261128]
 
 Every run is `tests/support/megatron_job.py` under ``megatrace trace`` (our ring files and stall dumps
 in ``RUN/trace/<run>``) with torch's Flight Recorder on (``RUN/fr``), and ``RUN/label.json`` says what
@@ -113,8 +113,9 @@ def record(run: Run, out: Path, capacity: int = 0, capture: str = "native") -> f
     return time.monotonic() - start
 
 
-USERS_SEED = 20261127  # held out: committed before its first recording, scored once with the final code
-USERS_LOOKED_AT = 20261126  # recorded to develop against
+USERS_SEED = 20261128  # held out: committed before its first recording, scored once with the final code
+# recorded to develop against: 20261126, and 20261127, the first held-out seed, once it had been scored
+USERS_LOOKED_AT = (20261126, 20261127)
 # one cycle of the users' plan: 10 healthy runs, 3 slowed by 20 % or more, 1 by 10 %, 2 hangs
 USER_CLASSES = ("none",) * 10 + ("slow-compute",) * 4 + ("hang-compute",) * 2
 # (world, pp, schedule): the schedules of torch.distributed.pipelining; interleaved ones hold two stages

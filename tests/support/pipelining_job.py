@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro", type=int, default=4, help="microbatches per step")
     p.add_argument("--units", type=int, default=10, help="compute units per forward or backward")
     p.add_argument("--unit-ms", type=float, default=2.0, help="a compute unit's duration")
-    add_run_arguments(p, FAULTS, deadline=180.0)
+    add_run_arguments(p, FAULTS, deadline=300.0)
     return p
 
 
