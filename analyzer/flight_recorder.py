@@ -202,6 +202,8 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
     cols = empty_columns(len(rows))
     if rows:
         arr = np.array(rows, dtype=np.int64)
+        if not any(entry.get("state") == "completed" for entry in entries):
+            _past_completed(arr)
         for j, col in enumerate(("comm", "seq", "op", "nbytes", "enqueue_ns", "complete_ns")):
             cols[col][:] = arr[:, j]
     cols["rank"][:] = rank
@@ -211,6 +213,21 @@ def dump_calls(dump: FlightRecorderDump, members_of: dict[str, tuple[int, ...]])
         rank=rank, source=dump.path, fmt="flight-recorder", has_completion=True, observed_until_ns=observed
     )
     return RankCalls(rank, cols, comms, info)
+
+
+def _past_completed(arr: np.ndarray) -> None:
+    """Gloo's collectives (rows: comm, seq, op, nbytes, created, done), completed where the rank has
+    completed a later one. ``pg_status`` is updated as torch finds work done, and at a dump its newest
+    collectives can read in flight on a rank that waited for them and went on: a healthy job's last
+    gradient reduction read in flight on both members after the step's loss reduction, created after
+    it, read completed (real dumps of a finished run). A rank's main thread waits for its collectives
+    before the next step's, so a later completed one means this one was past."""
+    done = arr[:, 5] > 0
+    if not done.any():
+        return
+    last = int(arr[done, 4].max())
+    late = ~done & (arr[:, 4] < last) & (arr[:, 4] > 0)
+    arr[late, 5] = arr[late, 4]
 
 
 def flight_recorder_calls(dumps: list[FlightRecorderDump], layout: Layout | None = None) -> list[RankCalls]:

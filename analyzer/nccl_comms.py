@@ -147,6 +147,29 @@ def _split_by_timing(
     return sorted(tuple(g) for g in groups.values())
 
 
+def _pipelines_by_streams(logs: list[NcclRankLog], local: dict, class_of: dict) -> list[tuple[int, ...]]:
+    """The pipelines of a job whose layout is not given, from how many send/receive streams each rank
+    has: a stage in the middle of a pipeline talks to two neighbours, the first and the last to one.
+    In Megatron's order (PP outermost) the first stage is the first `world / pp` ranks and the last the
+    last as many; a stage's neighbours sit `world / pp` ranks away. Empty when the streams do not fit
+    that shape (a rank with no transfer or more than two streams, or ends elsewhere): the transfers
+    then pair consecutive ranks, as before."""
+    world = len(logs)
+    streams: Counter[int] = Counter()
+    for (i, _stream), sig in class_of.items():
+        if sig[0] == P2P_SIGNATURE:
+            streams[logs[i].rank] += 1
+    if sorted(streams) != list(range(world)) or any(n > 2 for n in streams.values()):
+        return []
+    ends = {r for r, n in streams.items() if n == 1}
+    if not ends or len(ends) % 2 or world % (len(ends) // 2):
+        return []
+    block = len(ends) // 2
+    if ends != set(range(block)) | set(range(world - block, world)):
+        return []
+    return [tuple(range(r, world, block)) for r in range(block)]
+
+
 def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -> tuple[int, ...]:
     """The two neighbouring stages a send/receive stream connects, out of the rank's pipeline group.
 
@@ -192,7 +215,13 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
     assigned = _assign_groups(classes, calls, layout)
     if layout is None:
-        assigned = {sig: _split_by_timing(sig, logs, local, class_of) for sig in classes}
+        pipelines = _pipelines_by_streams(logs, local, class_of)
+        assigned = {
+            sig: [g for g in pipelines if set(g) & classes[sig]]
+            if pipelines and sig[0] == P2P_SIGNATURE
+            else _split_by_timing(sig, logs, local, class_of)
+            for sig in classes
+        }
     for sig, groups in assigned.items():
         for group in groups:
             for rank in group:

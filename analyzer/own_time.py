@@ -103,10 +103,19 @@ def own_times(enq: np.ndarray, done: np.ndarray, seq: np.ndarray, ends_step: np.
     return out
 
 
+def timed(table: TraceTable) -> bool:
+    """Whether the traces time their calls' completion (most calls complete after they were issued).
+    Without it (Megatrace's NCCL logs, torch's gloo dumps) the gap between two calls holds the wait in
+    the first: a rank's own time cannot be told from its waits, and is not judged."""
+    cols = table.columns
+    return bool(len(table)) and float((cols["complete_ns"] > cols["enqueue_ns"]).mean()) >= 0.5
+
+
 def own_time_matrix(table: TraceTable, ranks: list[int]) -> np.ndarray | None:
-    """Own times, ranks × steps, over the steps every rank has (None: too few of them)."""
+    """Own times, ranks × steps, over the steps every rank has (None: too few of them, or no completion
+    times to tell own time from waits)."""
     marker = step_marker(table, set(ranks))
-    if marker is None:
+    if marker is None or not timed(table):
         return None
     cols = table.columns
     per_rank = []

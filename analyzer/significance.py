@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import numpy as np
 
@@ -45,7 +46,9 @@ EFFECT_NOISE = 3.0
 # a floor above what healthy real runs show (bursts of load made healthy ranks late by 1-2.5 % of the
 # call interval in windows; a rank 10 % slower in compute is late by 5-10 % of it)
 MIN_EFFECT = 0.03
-CONSISTENT = 2 / 3
+CONSISTENT = 0.85
+STEADY = 0.25  # the late blocks' robust spread, as a share of their median, a steady lateness stays under
+MIN_CORRELATION = 0.1  # autocorrelation below this is taken as none (`correlation_length`)
 MEDIAN_SE = 1.2533
 # the inflation is read at the 90th percentile of the pass's statistics (robust to a tenth of the members
 # being slow), against the normal distribution's 90th percentile
@@ -64,13 +67,15 @@ class LatenessTest:
     t: float
     p: float  # one-sided, uncorrected
     blocks: int
-    late_share: float  # share of blocks late by more than the noise
+    late_share: float  # share of blocks late by more than the noise and half the effect
+    spread: float = 0.0  # how far the other members' lateness spreads (healthy ranks differ this much)
 
     def holds(self, tests: int, alpha: float = FAMILY_ALPHA) -> bool:
-        """Significant after the correction for `tests` tests, clear of the noise, and consistent."""
+        """Significant after the correction for `tests` tests, clear of the noise and of the most
+        extreme healthy member among as many, and consistent."""
         return (
             self.p <= alpha / max(tests, 1)
-            and self.effect >= max(MIN_EFFECT, EFFECT_NOISE * self.noise)
+            and self.effect >= max(MIN_EFFECT, EFFECT_NOISE * self.noise, extreme(tests, alpha) * self.spread)
             and self.late_share >= CONSISTENT
         )
 
@@ -82,6 +87,40 @@ class LatenessTest:
             "p_value": float(f"{min(1.0, self.p * max(tests, 1)):.3g}"),
             "blocks": self.blocks,
         }
+
+
+def extreme(tests: int, alpha: float = FAMILY_ALPHA) -> float:
+    """How many spreads above the centre the latest of `tests` healthy members reaches with chance
+    `alpha` (the normal quantile at 1 - alpha / tests): an effect must clear it, so that a job of
+    thousands of ranks, whose latest healthy rank sits further out than an 8-rank job's, is not paged
+    for more often (3.2 spreads at 16 tests, 3.8 at 128, 4.7 at 8,192)."""
+    return NormalDist().inv_cdf(1.0 - alpha / max(tests, 1))
+
+
+def correlation_lengths(late: np.ndarray) -> np.ndarray:
+    """Per member (`late`: members × instances, in time order), how many consecutive instances its
+    lateness stays correlated over: the integrated autocorrelation time 1 + 2 Σ ρ_k of its lateness
+    about its own mean, summed while ρ_k stays above `MIN_CORRELATION`. A slower rank is late by about
+    the same every time (near 1); one that sat in a few long bursts of load is late in runs (about the
+    bursts' length), so its instances hold fewer independent samples than they number."""
+    members, n = late.shape
+    out = np.ones(members)
+    if n < 2 * MIN_BLOCKS:
+        return out
+    centred = late - late.mean(axis=1, keepdims=True)
+    var = (centred**2).sum(axis=1)
+    live = var > 0
+    tau = np.ones(members)
+    going = live.copy()
+    for lag in range(1, n // MIN_BLOCKS):
+        lagged = (centred[:, :-lag] * centred[:, lag:]).sum(axis=1)
+        rho = np.where(live, lagged / np.where(live, var, 1.0), 0.0)
+        going &= rho >= MIN_CORRELATION
+        if not going.any():
+            break
+        tau += np.where(going, 2.0 * rho, 0.0)
+    out[:] = tau
+    return out
 
 
 def block_means(late: np.ndarray) -> np.ndarray:
@@ -155,20 +194,43 @@ def _upper_spread(values: np.ndarray) -> float:
     return max(0.0, float(np.quantile(values, 0.75)) / NORMAL_Q75)
 
 
-def lateness_test(blocks: np.ndarray, row: int, rank: int, noise: PassNoise) -> LatenessTest | None:
+def lateness_test(
+    blocks: np.ndarray, row: int, rank: int, noise: PassNoise, independent: float = math.inf
+) -> LatenessTest | None:
     """The test for member `row` (global `rank`) of a communicator's block means (None: too few blocks
-    or no peers)."""
+    or no peers). `independent`: how many independent samples the member's instances hold (instances
+    over its `correlation_lengths`); where that is fewer than the blocks, its statistic counts only
+    those."""
     count = blocks.shape[1]
     if count < MIN_BLOCKS or blocks.shape[0] < 2:
         return None
     effect, spread, t, df = (values[row] for values in member_stats(blocks))
     inflation, others = noise.against(rank)
-    z = float(t) / inflation
+    samples = max(1.0, min(float(count), independent))
+    z = float(t) / inflation * math.sqrt(samples / count)
     # what a healthy member's lateness over these blocks wanders by: its standard error, or the spread
     # between the other members' lateness where that is wider
-    measured = max(MEDIAN_SE * float(spread) / math.sqrt(count), others)
-    late = float((blocks[row] > measured).mean())
-    return LatenessTest(float(effect), measured, z, t_sf(z, int(df)), count, late)
+    measured = max(MEDIAN_SE * float(spread) / math.sqrt(samples), others)
+    late = consistency(blocks[row], max(measured, float(effect) / 2))
+    return LatenessTest(float(effect), measured, z, t_sf(z, int(df)), count, late, others)
+
+
+def consistency(blocks: np.ndarray, level: float) -> float:
+    """The share of a member's blocks late by more than `level` (its noise, and half its own median
+    lateness), from the block where that share is highest among the first half on (a slowdown that
+    began a few blocks into the trace is late in every block since); 0 when those late blocks are not
+    steady (their robust spread over `STEADY` of their median): a slower rank is late by about the same
+    in every block, one that sat in bursts of load by as much as each burst held it up."""
+    late = blocks > level
+    if not late.any():
+        return 0.0
+    tail = np.cumsum(late[::-1])[::-1] / np.arange(len(late), 0, -1)
+    start = int(np.argmax(tail[: max(1, (len(late) + 1) // 2)]))
+    held = blocks[start:][late[start:]]
+    centre = float(np.median(held))
+    if 1.4826 * float(np.median(np.abs(held - centre))) > STEADY * centre:
+        return 0.0
+    return float(tail[start])
 
 
 def rise_test(excess: float, noise: float, before: int, after: int) -> LatenessTest:

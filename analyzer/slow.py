@@ -24,13 +24,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatrace.analyzer import own_time
+from megatrace.analyzer import own_time, peer_time
 from megatrace.analyzer.layout import Layout
 from megatrace.analyzer.significance import (
     FAMILY_ALPHA,
     LatenessTest,
     PassNoise,
     block_means,
+    correlation_lengths,
     lateness_test,
     pass_noise,
     rise_test,
@@ -72,6 +73,7 @@ class CommLateness:
     interval_ns: float
     instances: int
     blocks: np.ndarray  # members × blocks: mean lateness over consecutive instances (`significance`)
+    lengths: np.ndarray  # per member: instances its lateness stays correlated over (`significance`)
 
 
 @dataclass
@@ -294,6 +296,7 @@ def comm_lateness(
                 interval,
                 t.shape[1],
                 block_means(late / interval),
+                correlation_lengths(late / interval),
             )
         )
     return out
@@ -460,7 +463,8 @@ def _best_test(m: int, rnd: _Round, tests: int) -> LatenessTest | None:
     found = []
     for c in rnd.judged[m] & rnd.is_late[m]:
         cl = rnd.late[m][c].cl
-        test = lateness_test(cl.blocks, int(np.flatnonzero(cl.members == m)[0]), m, rnd.noise)
+        row = int(np.flatnonzero(cl.members == m)[0])
+        test = lateness_test(cl.blocks, row, m, rnd.noise, cl.instances / cl.lengths[row])
         if test is not None:
             found.append(test)
     holding = [test for test in found if test.holds(tests)]
@@ -476,6 +480,8 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     classes = _channel_classes(table, layout)
     comms = list(_comms(table, frozenset(classes)))
     plan = _time_windows(comms)
+    stages = _stages(table, layout)
+    syncs = _step_syncs(table, stages)
     # one matrix per communicator over every instance some pass looks at; each pass takes its columns
     wanted = [
         np.unique(np.concatenate([seqs[i] for _l, seqs, _s in plan if i in seqs])) for i in range(len(comms))
@@ -486,11 +492,10 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     mats = {i: _aligned(m, hosts, offsets) for i, m in mats.items()}
     _pipeline_residuals(mats, classes)
     channels = frozenset(classes)
-    stages = _stages(table, layout)
-    syncs = _step_syncs(table, stages)
     best: dict[int, SlowSuspect] = {}
-    # every rank may be tested in every pass: the significance level is corrected for all of them
-    tests = max(table.world_size, 1) * len(plan)
+    # every rank may be tested in every pass, and against its stage's own time: the significance level
+    # is corrected for all of them
+    tests = max(table.world_size, 1) * (len(plan) + int(stages is not None))
     rejected: list[SlowSuspect] = []
     windows: dict[int, int] = {}
     whole: set[int] = set()
@@ -524,19 +529,22 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 whole.add(suspect.rank)
             if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
                 best[suspect.rank] = suspect
-    for suspect in _against_own_steps(table, set(table.ranks) - compared, compared):
+    if stages is not None:
+        for suspect in _above_stage_peers(table, stages, tests):
+            whole.add(suspect.rank)
+            if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
+                best[suspect.rank] = suspect
+    for suspect in _against_own_steps(table, set(table.ranks) - compared):
         whole.add(suspect.rank)
         best.setdefault(suspect.rank, suspect)
     # one window alone, out of a dozen looked at, is too easily noise: a slowdown must last two
     suspects = [s for r, s in best.items() if r in whole or windows.get(r, 0) >= 2]
-    if not suspects and _one_pipeline(layout):
-        suspects = _against_own_steps(table, set(table.ranks), compared)
     suspects.sort(key=lambda s: (-s.relative, s.rank))
     notes = []
     if syncs:
         notes.append(
             "no rank was compared with another: the traces hold only the whole job's scalar reductions "
-            "(a loss or a norm, once a step) and no pipeline transfer, and where ranks reach those is "
+            "(a loss or a norm, once a step) and tell no pipeline stage, and where ranks reach those is "
             "their place in a pipeline schedule as much as their speed (give the layout: --pp, --tp)"
         )
     notes += _within_noise(rejected, {s.rank for s in suspects}, tests)
@@ -558,15 +566,17 @@ def _within_noise(rejected: list[SlowSuspect], named: set[int], tests: int) -> l
 
 
 def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
-    """Communicators whose arrival order says nothing of speed: with no pipeline stage known and no
-    pipeline transfer in the traces, collectives that only ever carry a scalar across the whole job.
-    In a pipeline (torch's Flight Recorder on gloo records no send or receive) the first stage reaches
-    the step's loss reduction last by design; a data-parallel job shows its gradients' reductions, which
-    ranks doing the same work do reach together. Empty where any other communicator is seen."""
+    """Communicators whose arrival order says nothing of speed: with no pipeline stage known,
+    collectives that only ever carry a scalar across the whole job. In a pipeline the first stage
+    reaches the step's loss reduction last by design, and where the stages cannot be told (torch's
+    Flight Recorder on gloo records no send or receive; Megatrace's NCCL logs name no peer, so their
+    transfers' pairing is a guess the layout inference does not take) nothing says who is which; a
+    data-parallel job shows its gradients' reductions, which ranks doing the same work do reach
+    together. Empty where any other collective is seen."""
     comms = table.comms
-    if stages is not None or not len(table) or any(c.p2p for c in comms):
+    if stages is not None or not len(table):
         return frozenset()
-    shared = [i for i, c in enumerate(comms) if len(c.members) >= 2]
+    shared = [i for i, c in enumerate(comms) if len(c.members) >= 2 and not c.p2p]
     if not shared or any(len(comms[i].members) != table.world_size for i in shared):
         return frozenset()
     cols = table.columns
@@ -575,27 +585,32 @@ def _step_syncs(table: TraceTable, stages: np.ndarray | None) -> frozenset[int]:
     return frozenset(shared)
 
 
-def _one_pipeline(layout: Layout | None) -> bool:
-    """A job with one pipeline of several stages: a stage's only peers are its tensor-parallel ranks,
-    which wait for each other at every all-reduce, so a slower one is late there by a sliver of the call
-    interval (the pipeline's waits make the interval long), and no replica of its stage shows what its
-    transfers should take. Where comparing finds nobody, every rank is judged against its own steps."""
-    return layout is not None and layout.sizes.get("pp", 1) >= 2 and layout.sizes.get("dp", 1) == 1
+def _above_stage_peers(table: TraceTable, stages: np.ndarray, tests: int) -> list[SlowSuspect]:
+    """Ranks whose own time a step stands above their stage peers' (`peer_time`), by its test."""
+    out = []
+    for found in peer_time.above_peers(table, stages):
+        test = found.test
+        if not peer_time.holds(test, tests):
+            continue
+        how = (
+            f"rank {found.rank} spent {found.own_ns / 1e6:.1f} ms a step outside communication against "
+            f"{found.peers_ns / 1e6:.1f} ms for the {found.peers} other rank(s) of its pipeline stage "
+            f"(+{test.effect:.0%} in the median of {test.blocks} steps, above them by half that in "
+            f"{test.late_share:.0%} of the steps; corrected p {min(1.0, test.p * tests):.2g})"
+        )
+        sure = min(0.99, test.effect / (4 * peer_time.MIN_EXCESS))
+        out.append(SlowSuspect(found.rank, round(float(sure), 2), how, test.effect, test))
+    return out
 
 
-def _against_own_steps(table: TraceTable, ranks: set[int], compared: set[int]) -> list[SlowSuspect]:
+def _against_own_steps(table: TraceTable, ranks: set[int]) -> list[SlowSuspect]:
     """`ranks` judged against their own earlier steps (`megatrace.analyzer.own_time`): those no
-    communicator compared with a peer (the stages of a single pipeline) always, and every rank of a job
-    with one pipeline where comparing found nobody (`_one_pipeline`). Evidence from peers comes first:
-    a rank that waits where the traces do not show (a receive whose completion is not seen as a wait)
-    can look busier than before."""
+    communicator compared with a peer (the stages of a single pipeline with no tensor parallelism).
+    A rank with stage peers is judged against them instead (`_above_stage_peers`): a change its whole
+    stage shares (a schedule's warm-up, the machine's load) is not a rank's."""
     out = []
     for rise in own_time.slowed_down(table, sorted(ranks)):
-        why = (
-            "no rank does its work to compare it with"
-            if rise.rank not in compared
-            else "the job has one pipeline"
-        )
+        why = "no rank does its work to compare it with"
         how = (
             f"rank {rise.rank} spent {rise.after_ns / 1e6:.1f} ms a step outside communication from step "
             f"{rise.step + 1} on (of {rise.steps} steps seen), against {rise.before_ns / 1e6:.1f} ms before "

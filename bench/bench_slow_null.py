@@ -64,8 +64,8 @@ class Row:
         self.other += verdict not in ("slow", "healthy")
         self.p_alone += report.get("slow_test", {}).get("least_p", 1.0) <= FAMILY_ALPHA
         if verdict != "healthy":
-            top = report["suspects"][0]["rank"] if report["suspects"] else None
-            self.wrong.append(f"{label}: {verdict} {top}")
+            top = report["suspects"][0] if report["suspects"] else {}
+            self.wrong.append(f"{label}: {verdict} {top.get('rank')} {top.get('evidence', '')[:160]}")
 
     def line(self) -> str:
         rate = self.slow / self.runs if self.runs else 0.0

@@ -15,6 +15,9 @@ from megatrace.analyzer.significance import (
     FAMILY_ALPHA,
     PassNoise,
     block_means,
+    consistency,
+    correlation_lengths,
+    extreme,
     lateness_test,
     pass_noise,
     t_sf,
@@ -55,6 +58,45 @@ def test_the_correction_grows_with_the_tests_made():
     test = lateness_test(block_means(late), 1, 1, PassNoise())
     assert test is not None and test.holds(tests=1) and not test.holds(tests=10**12)
     assert test.as_dict(10)["p_value"] == pytest.approx(min(1.0, test.p * 10), rel=1e-2)
+
+
+def test_lateness_in_runs_holds_fewer_independent_samples_than_calls():
+    rng = np.random.default_rng(7)
+    late = _lateness(rng, 2, 96)
+    late[1] = np.repeat(rng.normal(0.0, 0.05, 12), 8)  # a level held for 8 calls at a time
+    steady, bursty = correlation_lengths(late)
+    assert steady < 2 and bursty > 4
+
+
+def test_an_effect_must_clear_the_latest_healthy_member_among_as_many_tested():
+    assert extreme(16) == pytest.approx(3.23, abs=0.01)
+    assert extreme(128) == pytest.approx(3.78, abs=0.01)
+    assert extreme(8192) == pytest.approx(4.71, abs=0.01)
+
+
+def test_a_member_late_only_in_the_blocks_its_bursts_cover_is_not_consistent():
+    """Late by 8 % in six blocks of eight and level in the rest: its median is the bursts' level, but a
+    slower rank is late by about its median in every block."""
+    rng = np.random.default_rng(11)
+    late = _lateness(rng, 8, 96) / 10
+    late[3] += np.repeat([0.08, 0.08, 0.0, 0.08, 0.08, 0.0, 0.08, 0.08], 12)
+    blocks = block_means(late)
+    test = lateness_test(blocks, 3, 3, pass_noise([(np.arange(8), blocks)]))
+    assert test is not None and test.p < 1e-9 and test.effect > 0.05
+    assert test.late_share == pytest.approx(0.8) and not test.holds(tests=16)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "share"),
+    [
+        ([0.0, 0.0, 0.1, 0.1, 0.11, 0.1, 0.09, 0.1], 1.0),  # a slowdown from the third block on
+        ([0.1, 0.1, 0.1, 0.0, 0.1, 0.1, 0.1, 0.1], 0.875),  # steady, one block level
+        ([0.03, 0.12, 0.3, 0.06, 0.2, 0.1, 0.25, 0.04], 0.0),  # late by what each burst held it up
+        ([0.1, 0.1, 0.1, 0.1, 0.1, 0.0, 0.0, 0.0], 0.625),  # a slowdown that ended
+    ],
+)
+def test_consistency_is_a_steady_lateness_since_its_onset(blocks, share):
+    assert consistency(np.array(blocks), 0.02) == pytest.approx(share)
 
 
 def test_a_healthy_job_with_bursts_of_host_load_reads_healthy():

@@ -1,0 +1,73 @@
+"""Real `torch.distributed.pipelining` runs read from the formats that carry less than our ring files:
+Megatrace NCCL logs made from the runs' ring files (bench/ring_to_nccl_log.py: no peer, no completion
+time) and the Flight Recorder dumps torch wrote on gloo (no transfer, completion known only through
+``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from megatrace.analyzer import analyze
+from megatrace.analyzer.layout import LayoutConfig
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
+
+import ring_to_nccl_log
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "pipelining_runs.tar.gz"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pipelining")
+    with tarfile.open(FIXTURE) as archive:
+        archive.extractall(root, filter="data")
+    return root / "pipelining_runs"
+
+
+def _layout(run: Path) -> LayoutConfig:
+    label = json.loads((run / "label.json").read_text())
+    return LayoutConfig(world_size=label["world"], tp=1, pp=label["pp"], dp=label["dp"])
+
+
+def _converted(runs: Path, name: str, tmp_path: Path) -> Path:
+    return ring_to_nccl_log.convert(runs / name, tmp_path / name)[0].parent
+
+
+def test_a_pipeline_hang_in_megatrace_logs_names_the_hung_stage_without_the_layout(runs, tmp_path):
+    """046: 1F1B, PP 4 × DDP 2, rank 2 (stage 1 of the first pipeline) stops in a forward. Its
+    neighbours wait in receives it never answers; without the layout the transfers were paired with
+    the next rank up (1-2, 3-4, 5-6), which named rank 6. A middle stage talks to two neighbours, the
+    ends to one: the pipelines are 0-2-4-6 and 1-3-5-7."""
+    logs = _converted(runs, "046-hang-compute", tmp_path)
+    for layout in (None, _layout(runs / "046-hang-compute")):
+        report = analyze([logs], layout)
+        assert report["verdict"] == "hang", report["notes"]
+        assert report["suspects"][0]["rank"] == 2, report["suspects"][:2]
+
+
+def test_a_healthy_pipeline_in_megatrace_logs_is_not_called_slow(runs, tmp_path):
+    """002: 1F1B, one pipeline of 4 stages, healthy. Without the layout the world's loss all-reduce
+    (where the first stage arrives last by design) was compared across stages and named rank 0; with
+    it, each stage's gaps between calls (which hold its waits: these logs time no completion) were
+    compared with its own first step and named ranks 0 and 1."""
+    logs = _converted(runs, "002-none", tmp_path)
+    for layout in (None, _layout(runs / "002-none")):
+        report = analyze([logs], layout)
+        assert report["verdict"] == "healthy", report["suspects"][:2]
+
+
+def test_a_finished_jobs_gloo_dumps_whose_last_reduction_reads_in_flight_read_healthy(runs):
+    """025: interleaved 1F1B, PP 2 × DDP 2, healthy, dumped by torch at the end. On ranks 2 and 3
+    ``pg_status`` says their data-parallel group completed reduction 9 of 10, though both then issued
+    and completed the step's loss reductions after it: read as a collective stuck on both members,
+    it was a hang verdict on a healthy job."""
+    fr = runs / "025-none-noisy" / "fr"
+    for layout in (None, _layout(runs / "025-none-noisy")):
+        report = analyze([fr], layout)
+        assert report["verdict"] == "healthy", (report["suspects"][:2], report["notes"])
