@@ -337,9 +337,12 @@ def _ordered(
         suspects = _deadlock(table, waits, blocked)
     suspects = stopped_first.order(table, suspects)
     absent = ties.absent_dumpers(table, suspects)
-    suspects = [HangSuspect(r, 0.8, ties.absent_evidence(r, suspects), "no_log") for r in absent] + suspects
+    found = [HangSuspect(r, 0.8, ties.absent_evidence(r, suspects, absent), "no_log") for r in absent]
+    if len(found) == 1:
+        suspects = found + suspects
+        found = []
     _answered_the_dump(table, suspects)
-    return ties.mark_ties(table, suspects)
+    return ties.mark_ties(table, suspects, found)
 
 
 def _answered_the_dump(table: TraceTable, suspects: list[HangSuspect]) -> None:

@@ -73,7 +73,7 @@ class CommLateness:
     interval_ns: float
     instances: int
     blocks: np.ndarray  # members × blocks: mean lateness over consecutive instances (`significance`)
-    lengths: np.ndarray  # per member: instances its lateness stays correlated over (`significance`)
+    late: np.ndarray  # members × instances: lateness as a share of the call interval
 
 
 @dataclass
@@ -295,8 +295,8 @@ def comm_lateness(
                 mean,
                 interval,
                 t.shape[1],
-                block_means(late / interval),
-                correlation_lengths(late / interval),
+                block_means(rel := late / interval),
+                rel,
             )
         )
     return out
@@ -464,7 +464,8 @@ def _best_test(m: int, rnd: _Round, tests: int) -> LatenessTest | None:
     for c in rnd.judged[m] & rnd.is_late[m]:
         cl = rnd.late[m][c].cl
         row = int(np.flatnonzero(cl.members == m)[0])
-        test = lateness_test(cl.blocks, row, m, rnd.noise, cl.instances / cl.lengths[row])
+        length = float(correlation_lengths(cl.late[row : row + 1])[0])
+        test = lateness_test(cl.blocks, row, m, rnd.noise, cl.instances / length)
         if test is not None:
             found.append(test)
     holding = [test for test in found if test.holds(tests)]
@@ -483,9 +484,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     stages = _stages(table, layout)
     syncs = _step_syncs(table, stages)
     # one matrix per communicator over every instance some pass looks at; each pass takes its columns
-    wanted = [
-        np.unique(np.concatenate([seqs[i] for _l, seqs, _s in plan if i in seqs])) for i in range(len(comms))
-    ]
+    wanted = [_union([seqs[i] for _l, seqs, _s in plan if i in seqs], cm.low) for i, cm in enumerate(comms)]
     built = [_matrix(cm, w, hosts) for cm, w in zip(comms, wanted, strict=True)]
     mats = {i: m for i, m in enumerate(built) if m[2].shape[1] >= MIN_INSTANCES}
     offsets = _host_offsets([m[:4] for m in mats.values()], hosts)
@@ -506,7 +505,7 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
             if i not in mats or mats[i][0] in syncs:
                 continue
             c, members, enq, done, kept = mats[i]
-            cols = np.isin(kept, want)
+            cols = _within(kept, want)
             if not window:  # the newest instances every member reached
                 cols &= np.cumsum(cols[::-1])[::-1] <= WHOLE_INSTANCES
             if cols.sum() < MIN_INSTANCES:
@@ -550,6 +549,23 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     notes += _within_noise(rejected, {s.rank for s in suspects}, tests)
     seen = [s.test.p * tests for s in [*rejected, *suspects] if s.test is not None]
     return SlowResult(suspects, offsets, len(mats), notes, tests, min([1.0, *seen]))
+
+
+def _union(parts: list[np.ndarray], low: int) -> np.ndarray:
+    """The sorted union of sequence numbers (each at least `low`), by a mask: no sort."""
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        return np.zeros(0, dtype=np.int64)
+    mask = np.zeros(max(int(p.max()) for p in parts) - low + 1, dtype=bool)
+    for part in parts:
+        mask[part - low] = True
+    return np.flatnonzero(mask) + low
+
+
+def _within(kept: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Which of the ascending sequence numbers `kept` are in the ascending `want`."""
+    at = np.minimum(np.searchsorted(want, kept), max(len(want) - 1, 0))
+    return want[at] == kept if len(want) else np.zeros(len(kept), dtype=bool)
 
 
 def _within_noise(rejected: list[SlowSuspect], named: set[int], tests: int) -> list[str]:

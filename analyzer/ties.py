@@ -27,40 +27,58 @@ def unseen_transfers(table) -> bool:
 
 
 def absent_dumpers(table, suspects: list) -> list[int]:
-    """Ranks below the world size that wrote no dump while every other rank did, where ranks that
-    answered are suspected and no rank that left no dump is named yet: a live process writes its dump
-    when asked, so these stopped or died (a process frozen inside a call writes none). At most
-    `MAX_TIED` of them; none when the world size is not known to hold them."""
+    """Ranks below the world size that wrote no dump while the others did, where ranks that answered
+    are suspected and no rank that left no dump is named yet: a live process writes its dump when
+    asked, so one that wrote none stopped or died (a process frozen inside a call writes none). Alone,
+    it is named first; several are tied with the ranks that answered (ranks waiting in a transfer can
+    miss the request too: in a PP 2 × FSDP 2 hang both ranks of the stage after the hung one wrote
+    none). At most `MAX_TIED`; none when the world size is not known to hold them."""
     if not suspects or not unseen_transfers(table) or any(s.cause == "no_log" for s in suspects):
         return []
     absent = sorted(set(range(table.world_size)) - set(table.ranks))
     return absent if len(absent) <= MAX_TIED else []
 
 
-def absent_evidence(rank: int, suspects: list) -> str:
+def absent_evidence(rank: int, suspects: list, absent: list[int]) -> str:
+    """What says a rank that wrote no dump (one of `absent`) may be the hung one."""
     answered = ", ".join(str(s.rank) for s in suspects if s.cause == "rank_missing")
+    others = "every other rank did"
+    if len(absent) > 1:
+        others = "the ranks but " + ", ".join(map(str, absent)) + " did"
     return (
-        f"rank {rank} wrote no dump when every other rank did: it stopped or died (a process frozen "
-        f"inside a call writes none); ranks {answered} never issued the collective their peers wait in, "
-        "and may wait for it in a transfer these dumps do not record."
+        f"rank {rank} wrote no dump when {others}: it stopped or died (a process frozen inside a call "
+        f"writes none), or missed the request waiting in a transfer; ranks {answered} never issued the "
+        "collective their peers wait in, and may wait for it in a transfer these dumps do not record."
     )
 
 
-def mark_ties(table, suspects: list) -> tuple[list, str]:
+def mark_ties(table, suspects: list, silent: list | None = None) -> tuple[list, str]:
     """(`suspects` with tied candidates marked and first, a note) — or, with more candidates than
-    `MAX_TIED`, (no suspect, the note saying why none is named). Unchanged where nothing is tied."""
+    `MAX_TIED`, (no suspect, the note saying why none is named). Unchanged where nothing is tied.
+    `silent`: suspects for several ranks that wrote no dump, tied with those that answered."""
+    silent = silent or []
     if not unseen_transfers(table) or any(s.cause == "no_log" for s in suspects):
         return suspects, ""
     alive = [s for s in suspects if s.cause == "rank_missing"]
-    if len(alive) < 2:
+    candidates = alive + silent
+    if len(candidates) < 2:
         return suspects, ""
-    ranks = ", ".join(str(s.rank) for s in alive)
-    if len(alive) > MAX_TIED:
-        return [s for s in suspects if s.cause != "rank_missing"], (
-            f"ranks {ranks} never issued the collective their peers wait in, and {REASON}: with "
-            f"{len(alive)} such ranks none is named"
+    ranks = ", ".join(str(s.rank) for s in candidates)
+    why = REASON
+    if silent:
+        why = (
+            f"rank(s) {', '.join(str(s.rank) for s in alive)} wrote their dump when asked (alive) and never "
+            f"issued the collective their peers wait in, rank(s) {', '.join(str(s.rank) for s in silent)} "
+            "wrote none (stopped, died, or missed the request waiting in a transfer); these Flight Recorder "
+            "dumps record no pipeline send or receive, so which one stopped and which wait for it cannot "
+            "be told"
         )
-    for s in alive:
+    if len(candidates) > MAX_TIED:
+        return [s for s in suspects if s.cause != "rank_missing"], (
+            f"ranks {ranks} never issued the collective their peers wait in or wrote no dump, and {why}: "
+            f"with {len(candidates)} such ranks none is named"
+        )
+    for s in candidates:
         s.tied = True
-        s.confidence = round(1.0 / len(alive), 2)
-    return alive + [s for s in suspects if not s.tied], f"ranks {ranks} are tied: {REASON}"
+        s.confidence = round(1.0 / len(candidates), 2)
+    return candidates + [s for s in suspects if not s.tied], f"ranks {ranks} are tied: {why}"

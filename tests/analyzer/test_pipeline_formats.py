@@ -71,3 +71,17 @@ def test_a_finished_jobs_gloo_dumps_whose_last_reduction_reads_in_flight_read_he
     for layout in (None, _layout(runs / "025-none-noisy")):
         report = analyze([fr], layout)
         assert report["verdict"] == "healthy", (report["suspects"][:2], report["notes"])
+
+
+def test_a_hung_rank_and_two_ranks_that_wrote_no_dump_are_tied_not_the_silent_ones_named(runs):
+    """015: zero-bubble, PP 2 × FSDP 2, rank 0 stops in a forward; torch's dumps came from ranks 0 and 1
+    only. Given the layout, ranks 2 and 3 were each named first with confidence 0.9, "wrote no dump
+    when every other rank did", though two ranks wrote none and rank 0, alive, never issued the
+    reduction rank 1 waits in. Read without flags the dumps show two ranks, and rank 0 is named."""
+    fr = runs / "015-hang-compute-noisy" / "fr"
+    report = analyze([fr], _layout(runs / "015-hang-compute-noisy"))
+    assert report["verdict"] == "hang"
+    assert report["tie"]["ranks"] == [0, 2, 3] and "wrote none" in report["tie"]["reason"]
+    assert all(s["tied"] and s["confidence"] == 0.33 for s in report["suspects"][:3])
+    plain = analyze([fr])
+    assert plain["verdict"] == "hang" and plain["suspects"][0]["rank"] == 0 and plain["tie"] is None

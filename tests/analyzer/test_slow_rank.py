@@ -132,9 +132,10 @@ def test_a_loader_is_named_when_its_waiting_peer_is_clearly_late_elsewhere() -> 
 
 # A loader that holds up one TP all-reduce in eight (a microbatch with more layers): late by a wide
 # margin in only 12 % more instances than early, too few to call it clearly late by that share alone,
-# but its peer waits for it about 3 % of the call interval on average (its trimmed mean), which no
-# healthy member does.
-EIGHTH_LATE = 10.0  # ms, of a 31.25 ms interval
+# but its peer waits for it about 6 % of the call interval on average (its trimmed mean), which no
+# healthy member does. Held up half as long (10 ms), its peer waits about 3 % on average: under the
+# slow test's 5 % floor, where bursts of load leave healthy ranks (see `significance.MIN_EFFECT`).
+EIGHTH_LATE = 20.0  # ms, of a 31.25 ms interval
 LOADER_EVERY_EIGHTH = _loader(8, EIGHTH_LATE)
 
 
@@ -142,4 +143,10 @@ def test_a_loader_late_in_few_collectives_is_named_by_how_long_its_peer_waits_fo
     for seed in range(3):
         suspects = detect_slow(_table(steps=100, seed=seed, layout=LOADER_EVERY_EIGHTH)).suspects
         assert [s.rank for s in suspects] == [1]
-        assert re.search(r"\b[23]\.\d% of the interval late on average", suspects[0].evidence)
+        assert re.search(r"\b[5-8]\.\d% of the interval late on average", suspects[0].evidence)
+
+
+def test_a_loader_holding_up_a_few_percent_of_the_interval_is_left_within_the_noise() -> None:
+    result = detect_slow(_table(steps=100, seed=0, layout=_loader(8, EIGHTH_LATE / 2)))
+    assert result.suspects == []
+    assert any(note.startswith("rank 1 arrived late on average") for note in result.notes), result.notes
