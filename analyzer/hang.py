@@ -341,6 +341,8 @@ def _ordered(
     if len(found) == 1:
         suspects = found + suspects
         found = []
+    idle = ties.idle_ranks(table, suspects, blocked)
+    found += [HangSuspect(r, 0.5, ties.idle_evidence(r), "rank_missing") for r in idle]
     _answered_the_dump(table, suspects)
     return ties.mark_ties(table, suspects, found)
 

@@ -39,6 +39,29 @@ def absent_dumpers(table, suspects: list) -> list[int]:
     return absent if len(absent) <= MAX_TIED else []
 
 
+def idle_ranks(table, suspects: list, blocked) -> list[int]:
+    """Ranks that wrote their dump, have no call open and are no suspect, in transfer-less dumps where
+    one rank that answered never issued a collective its peers wait in: in a pure data-parallel job
+    every rank but the hung one waits in a collective, so a rank waiting in none is stopped in compute
+    or waits in a send or receive the dumps do not record, and is as likely the hung rank as that one
+    (a PP 2 × FSDP 2 hang: the hung stage-0 rank had every call complete, and the one rank its DP
+    peer's partner waited for was its pipeline neighbour, named with confidence 0.99). Where two or
+    three such ranks are tied already, the idle ranks are not added (they would make the set too
+    large to name any)."""
+    alive = [s for s in suspects if s.cause == "rank_missing"]
+    if not unseen_transfers(table) or len(alive) != 1 or any(s.cause == "no_log" for s in suspects):
+        return []
+    named = {s.rank for s in suspects}
+    return sorted(r for r in table.ranks if r not in blocked and r not in named)
+
+
+def idle_evidence(rank: int) -> str:
+    return (
+        f"rank {rank} wrote its dump with no call open and issued nothing its peers wait in: it may be "
+        "stopped in compute, or wait in a send or receive these dumps do not record."
+    )
+
+
 def absent_evidence(rank: int, suspects: list, absent: list[int]) -> str:
     """What says a rank that wrote no dump (one of `absent`) may be the hung one."""
     answered = ", ".join(str(s.rank) for s in suspects if s.cause == "rank_missing")
@@ -66,12 +89,20 @@ def mark_ties(table, suspects: list, silent: list | None = None) -> tuple[list, 
     ranks = ", ".join(str(s.rank) for s in candidates)
     why = REASON
     if silent:
+        quiet = [s for s in silent if s.cause == "rank_missing"]
+        gone = [s for s in silent if s.cause == "no_log"]
         why = (
             f"rank(s) {', '.join(str(s.rank) for s in alive)} wrote their dump when asked (alive) and never "
-            f"issued the collective their peers wait in, rank(s) {', '.join(str(s.rank) for s in silent)} "
-            "wrote none (stopped, died, or missed the request waiting in a transfer); these Flight Recorder "
-            "dumps record no pipeline send or receive, so which one stopped and which wait for it cannot "
-            "be told"
+            "issued the collective their peers wait in"
+            + (f"; rank(s) {', '.join(str(s.rank) for s in quiet)} have no call open" if quiet else "")
+            + (
+                f"; rank(s) {', '.join(str(s.rank) for s in gone)} wrote none (stopped, died, or missed "
+                "the request waiting in a transfer)"
+                if gone
+                else ""
+            )
+            + "; these Flight Recorder dumps record no pipeline send or receive, so which one stopped "
+            "and which wait for it cannot be told"
         )
     if len(candidates) > MAX_TIED:
         return [s for s in suspects if s.cause != "rank_missing"], (

@@ -1,7 +1,8 @@
 """Real `torch.distributed.pipelining` runs read from the formats that carry less than our ring files:
 Megatrace NCCL logs made from the runs' ring files (bench/ring_to_nccl_log.py: no peer, no completion
 time) and the Flight Recorder dumps torch wrote on gloo (no transfer, completion known only through
-``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127)."""
+``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127, and one
+of seed 20261128, both scored as held out once and looked at since)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,16 @@ def test_a_hung_rank_and_two_ranks_that_wrote_no_dump_are_tied_not_the_silent_on
     assert all(s["tied"] and s["confidence"] == 0.33 for s in report["suspects"][:3])
     plain = analyze([fr])
     assert plain["verdict"] == "hang" and plain["suspects"][0]["rank"] == 0 and plain["tie"] is None
+
+
+def test_the_one_rank_peers_wait_for_is_tied_with_the_ranks_that_wait_in_nothing(runs):
+    """seed 20261128, 046: 1F1B, PP 2 × FSDP 2, rank 1 (first stage) stops in a forward. Its calls all
+    completed; its pipeline neighbour rank 3 waits for it in a receive gloo does not record and so never
+    issues the all-gather rank 2 waits in. Rank 3 was named with confidence 0.99. Ranks 0 and 1 wait in
+    no recorded call: either may be the stopped one."""
+    fr = runs / "seed20261128-046-hang-compute" / "fr"
+    for layout in (None, _layout(runs / "seed20261128-046-hang-compute")):
+        report = analyze([fr], layout)
+        assert report["verdict"] == "hang"
+        assert sorted(report["tie"]["ranks"]) == [0, 1, 3] and "no call open" in report["tie"]["reason"]
+        assert all(s["tied"] for s in report["suspects"][:3])
