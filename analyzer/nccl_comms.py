@@ -170,6 +170,20 @@ def _pipelines_by_streams(logs: list[NcclRankLog], local: dict, class_of: dict) 
     return [tuple(range(r, world, block)) for r in range(block)]
 
 
+def _pipelines_by_groups(world: int, groups: list[set[int]]) -> list[tuple[int, ...]]:
+    """The pipelines where the streams cannot show their ends (interleaved schedules close a ring: the
+    last stage sends back to the first), from the collectives' groups smaller than the world (TP and DP
+    stay inside a stage): when they split the ranks into equal blocks of consecutive ranks, a stage is
+    a block (Megatron's order) and a stage's neighbours sit a block away. Empty otherwise."""
+    inner = [g for g in groups if 2 <= len(g) < world]
+    block = max((max(g) - min(g) + 1 for g in inner), default=0)
+    if not block or world % block or block == world:
+        return []
+    if any(min(g) // block != max(g) // block for g in inner):
+        return []
+    return [tuple(range(r, world, block)) for r in range(block)]
+
+
 def _pipeline_pair(log: NcclRankLog, rows: np.ndarray, group: tuple[int, ...]) -> tuple[int, ...]:
     """The two neighbouring stages a send/receive stream connects, out of the rank's pipeline group.
 
@@ -215,7 +229,9 @@ def nccl_rank_calls(logs: list[NcclRankLog], layout: Layout | None = None) -> li
     group_of: dict[tuple[tuple[int, int], int], tuple[int, ...]] = {}
     assigned = _assign_groups(classes, calls, layout)
     if layout is None:
-        pipelines = _pipelines_by_streams(logs, local, class_of)
+        pipelines = _pipelines_by_streams(logs, local, class_of) or _pipelines_by_groups(
+            len(logs), [hashed_members[h] for h in collective_hashes]
+        )
         assigned = {
             sig: [g for g in pipelines if set(g) & classes[sig]]
             if pipelines and sig[0] == P2P_SIGNATURE

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrace.analyzer import analyze
+from megatrace.analyzer import analyze, nccl_comms
 from megatrace.analyzer.layout import LayoutConfig
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
@@ -99,3 +99,26 @@ def test_the_one_rank_peers_wait_for_is_tied_with_the_ranks_that_wait_in_nothing
         assert report["verdict"] == "hang"
         assert sorted(report["tie"]["ranks"]) == [0, 1, 3] and "no call open" in report["tie"]["reason"]
         assert all(s["tied"] for s in report["suspects"][:3])
+
+
+def test_an_interleaved_pipeline_hang_in_megatrace_logs_is_read_without_the_layout(runs, tmp_path):
+    """seed 20261128, 079: interleaved 1F1B, PP 4 × FSDP 2 (two stages a rank), rank 7 stops. The last
+    stage sends back to the first, so every rank has two transfer streams and the pipelines' ends do
+    not show; the transfers were paired with the next rank up, which named rank 1. The data-parallel
+    groups (0-1, 2-3, ...) are the stages, neighbours a block apart."""
+    logs = _converted(runs, "seed20261128-079-hang-compute-noisy", tmp_path)
+    report = analyze([logs])
+    assert report["verdict"] == "hang" and report["suspects"][0]["rank"] == 7, report["suspects"][:2]
+
+
+@pytest.mark.parametrize(
+    ("world", "groups", "pipelines"),
+    [
+        (8, [{0, 1}, {2, 3}, {4, 5}, {6, 7}, set(range(8))], [(0, 2, 4, 6), (1, 3, 5, 7)]),
+        (8, [{0, 1, 2, 3}, {4, 5, 6, 7}], [(0, 4), (1, 5), (2, 6), (3, 7)]),
+        (4, [{0, 2}, {1, 3}], []),  # strided groups: not Megatron's stages
+        (8, [set(range(8))], []),  # nothing inside a stage
+    ],
+)
+def test_pipelines_from_the_groups_inside_a_stage(world, groups, pipelines):
+    assert nccl_comms._pipelines_by_groups(world, groups) == pipelines
