@@ -132,14 +132,14 @@ def test_a_tensor_rank_of_a_single_pipeline_that_slows_down_is_named_by_its_stag
     """TP 2 × PP 2, one replica: a tensor rank slower from step 4 is late at its TP all-reduces by a
     sliver of their interval (at 10 % in the corpus, too little to name it there), but it spends more
     time outside communication than its tensor peer, which waits for it in those all-reduces. (50 %
-    here, and four steps before the slowdown: the test must hold on a loaded machine.)"""
+    here, four steps before the slowdown and twelve after: the test must hold on a loaded machine.)"""
     fault = ["--fault=slow-compute", "--fault-rank=3", "--fault-step=4", "--factor=0.5"]
     folder = tmp_path / "tp2pp2"
     folder.mkdir()
-    job = ["--world=4", "--tp=2", "--pp=2", "--steps=12", "--compute=timed", *fault]
+    job = ["--world=4", "--tp=2", "--pp=2", "--steps=16", "--compute=timed", *fault]
     assert run_traced(folder, "tp2pp2", job) == 0, (folder / "job.log").read_text()[-2000:]
     for flags in ([], ["--tp", "2", "--pp", "2"]):
         code, report = analyze_json(folder / "trace" / "tp2pp2", *flags)
-        assert (code, report["verdict"]) == (1, "slow"), (flags, report["suspects"][:2])
+        assert (code, report["verdict"]) == (1, "slow"), (flags, report["suspects"][:2], report["notes"])
         top = report["suspects"][0]
         assert top["rank"] == 3 and "of its pipeline stage" in top["evidence"], report["suspects"]
