@@ -6,17 +6,15 @@ the layout."""
 from __future__ import annotations
 
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatrace.analyzer import analyze
-from megatrace.analyzer.layout import LayoutConfig
 from megatrace.analyzer.peer_time import MIN_EXCESS, excess_test, holds
+from tests.support.pipelining_runs import extract, layout_of
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "pipelining_runs.tar.gz"
 TESTS = 16  # a 4-rank job judged in its passes
 
 
@@ -53,16 +51,11 @@ def test_the_correction_grows_with_the_tests_made():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pipelining")
-    with tarfile.open(FIXTURE) as archive:
-        archive.extractall(root, filter="data")
-    return root / "pipelining_runs"
+    return extract(tmp_path_factory.mktemp("pipelining"))
 
 
 def _read(run: Path, flags: bool) -> dict:
-    label = json.loads((run / "label.json").read_text())
-    layout = LayoutConfig(world_size=label["world"], tp=1, pp=label["pp"], dp=label["dp"]) if flags else None
-    return analyze([run], layout)
+    return analyze([run], layout_of(run) if flags else None)
 
 
 @pytest.mark.parametrize("flags", [False, True], ids=["no flags", "layout given"])

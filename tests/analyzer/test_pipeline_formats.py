@@ -1,52 +1,41 @@
 """Real `torch.distributed.pipelining` runs read from the formats that carry less than our ring files:
 Megatrace NCCL logs made from the runs' ring files (bench/ring_to_nccl_log.py: no peer, no completion
 time) and the Flight Recorder dumps torch wrote on gloo (no transfer, completion known only through
-``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127, and one
+``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127, and two
 of seed 20261128, both scored as held out once and looked at since)."""
 
 from __future__ import annotations
 
-import json
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from megatrace.analyzer import analyze, nccl_comms
-from megatrace.analyzer.layout import LayoutConfig
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 
 import ring_to_nccl_log
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "pipelining_runs.tar.gz"
+from tests.support.pipelining_runs import extract, layout_of
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pipelining")
-    with tarfile.open(FIXTURE) as archive:
-        archive.extractall(root, filter="data")
-    return root / "pipelining_runs"
-
-
-def _layout(run: Path) -> LayoutConfig:
-    label = json.loads((run / "label.json").read_text())
-    return LayoutConfig(world_size=label["world"], tp=1, pp=label["pp"], dp=label["dp"])
+    return extract(tmp_path_factory.mktemp("pipelining"))
 
 
 def _converted(runs: Path, name: str, tmp_path: Path) -> Path:
     return ring_to_nccl_log.convert(runs / name, tmp_path / name)[0].parent
 
 
-def test_a_pipeline_hang_in_megatrace_logs_names_the_hung_stage_without_the_layout(runs, tmp_path):
+def test_a_pipeline_hang_in_megatrace_logs_names_the_hung_stage_without_thelayout_of(runs, tmp_path):
     """046: 1F1B, PP 4 × DDP 2, rank 2 (stage 1 of the first pipeline) stops in a forward. Its
     neighbours wait in receives it never answers; without the layout the transfers were paired with
     the next rank up (1-2, 3-4, 5-6), which named rank 6. A middle stage talks to two neighbours, the
     ends to one: the pipelines are 0-2-4-6 and 1-3-5-7."""
     logs = _converted(runs, "046-hang-compute", tmp_path)
-    for layout in (None, _layout(runs / "046-hang-compute")):
+    for layout in (None, layout_of(runs / "046-hang-compute")):
         report = analyze([logs], layout)
         assert report["verdict"] == "hang", report["notes"]
         assert report["suspects"][0]["rank"] == 2, report["suspects"][:2]
@@ -58,7 +47,7 @@ def test_a_healthy_pipeline_in_megatrace_logs_is_not_called_slow(runs, tmp_path)
     it, each stage's gaps between calls (which hold its waits: these logs time no completion) were
     compared with its own first step and named ranks 0 and 1."""
     logs = _converted(runs, "002-none", tmp_path)
-    for layout in (None, _layout(runs / "002-none")):
+    for layout in (None, layout_of(runs / "002-none")):
         report = analyze([logs], layout)
         assert report["verdict"] == "healthy", report["suspects"][:2]
 
@@ -69,7 +58,7 @@ def test_a_finished_jobs_gloo_dumps_whose_last_reduction_reads_in_flight_read_he
     and completed the step's loss reductions after it: read as a collective stuck on both members,
     it was a hang verdict on a healthy job."""
     fr = runs / "025-none-noisy" / "fr"
-    for layout in (None, _layout(runs / "025-none-noisy")):
+    for layout in (None, layout_of(runs / "025-none-noisy")):
         report = analyze([fr], layout)
         assert report["verdict"] == "healthy", (report["suspects"][:2], report["notes"])
 
@@ -80,7 +69,7 @@ def test_a_hung_rank_and_two_ranks_that_wrote_no_dump_are_tied_not_the_silent_on
     when every other rank did", though two ranks wrote none and rank 0, alive, never issued the
     reduction rank 1 waits in. Read without flags the dumps show two ranks, and rank 0 is named."""
     fr = runs / "015-hang-compute-noisy" / "fr"
-    report = analyze([fr], _layout(runs / "015-hang-compute-noisy"))
+    report = analyze([fr], layout_of(runs / "015-hang-compute-noisy"))
     assert report["verdict"] == "hang"
     assert report["tie"]["ranks"] == [0, 2, 3] and "wrote none" in report["tie"]["reason"]
     assert all(s["tied"] and s["confidence"] == 0.33 for s in report["suspects"][:3])
@@ -94,14 +83,14 @@ def test_the_one_rank_peers_wait_for_is_tied_with_the_ranks_that_wait_in_nothing
     issues the all-gather rank 2 waits in. Rank 3 was named with confidence 0.99. Ranks 0 and 1 wait in
     no recorded call: either may be the stopped one."""
     fr = runs / "seed20261128-046-hang-compute" / "fr"
-    for layout in (None, _layout(runs / "seed20261128-046-hang-compute")):
+    for layout in (None, layout_of(runs / "seed20261128-046-hang-compute")):
         report = analyze([fr], layout)
         assert report["verdict"] == "hang"
         assert sorted(report["tie"]["ranks"]) == [0, 1, 3] and "no call open" in report["tie"]["reason"]
         assert all(s["tied"] for s in report["suspects"][:3])
 
 
-def test_an_interleaved_pipeline_hang_in_megatrace_logs_is_read_without_the_layout(runs, tmp_path):
+def test_an_interleaved_pipeline_hang_in_megatrace_logs_is_read_without_thelayout_of(runs, tmp_path):
     """seed 20261128, 079: interleaved 1F1B, PP 4 × FSDP 2 (two stages a rank), rank 7 stops. The last
     stage sends back to the first, so every rank has two transfer streams and the pipelines' ends do
     not show; the transfers were paired with the next rank up, which named rank 1. The data-parallel
