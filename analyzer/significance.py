@@ -15,15 +15,17 @@ block taken. For a suspect the test asks, of its block means:
   statistics spread wider than Student's t says; dividing by the measured widening puts the bulk of
   them back on it (genomic control, as association studies calibrate thousands of tests). Bursts of
   load still leave the far tail heavier than that: the p-value alone is not a calibrated false-alarm
-  rate, and the effect floor and consistency carry the rest (the null table shows both). The p-value
-  must be at most `FAMILY_ALPHA` divided by the number of tests the analysis made (every rank in
-  every pass), so a 16k-rank job is no likelier to be paged for than an 8-rank one (Bonferroni);
-- **effect size**: the median block lateness must be at least `EFFECT_NOISE` times the measured noise
-  (the larger of what a healthy member's median block wanders by, its standard error from that
-  block-to-block spread, and the pass's spread of every other member's lateness) and at least
-  `MIN_EFFECT` of the call interval;
-- **consistency**: late by more than the noise in at least `CONSISTENT` of the blocks, not carried
-  by a few.
+  rate, and the effect floors and consistency carry the rest (the null table shows both). The
+  statistic counts only the member's independent samples where its own lateness stays correlated
+  over longer than a block (`correlation_lengths`). The p-value must be at most `FAMILY_ALPHA`
+  divided by the number of tests the analysis made (every rank in every pass), so a 16k-rank job is
+  no likelier to be paged for than an 8-rank one (Bonferroni);
+- **effect size**: the median block lateness must be at least `MIN_EFFECT` of the call interval, at
+  least `EFFECT_NOISE` times the measured noise (the larger of its standard error from the peers'
+  block-to-block spread and the pass's spread of every other member's lateness), and clear of the
+  latest healthy member among as many as were tested (`extreme` times that spread);
+- **consistency**: late by more than the noise and half its own median in at least `CONSISTENT` of
+  the blocks since it first was (`consistency`), not carried by a few.
 
 `bench/bench_slow_null.py` calibrates it: the per-job false-alarm rate on healthy runs and synthetic
 null traces of 8 to 4,096 ranks, against the bound `FAMILY_ALPHA` (see docs/analyzer.md).
@@ -49,7 +51,7 @@ EFFECT_NOISE = 3.0
 # with TP 8 by 3-5 % (missed)
 MIN_EFFECT = 0.05
 CONSISTENT = 0.75
-MIN_CORRELATION = 0.1  # autocorrelation below this is taken as none (`correlation_length`)
+MIN_CORRELATION = 0.1  # autocorrelation below this is taken as none (`correlation_lengths`)
 MEDIAN_SE = 1.2533
 # the inflation is read at the 90th percentile of the pass's statistics (robust to a tenth of the members
 # being slow), against the normal distribution's 90th percentile
@@ -105,13 +107,12 @@ def correlation_lengths(late: np.ndarray) -> np.ndarray:
     the same every time (near 1); one that sat in a few long bursts of load is late in runs (about the
     bursts' length), so its instances hold fewer independent samples than they number."""
     members, n = late.shape
-    out = np.ones(members)
+    tau = np.ones(members)
     if n < 2 * MIN_BLOCKS:
-        return out
+        return tau
     centred = late - late.mean(axis=1, keepdims=True)
     var = (centred**2).sum(axis=1)
     live = var > 0
-    tau = np.ones(members)
     going = live.copy()
     for lag in range(1, n // MIN_BLOCKS):
         lagged = (centred[:, :-lag] * centred[:, lag:]).sum(axis=1)
@@ -120,8 +121,7 @@ def correlation_lengths(late: np.ndarray) -> np.ndarray:
         if not going.any():
             break
         tau += np.where(going, 2.0 * rho, 0.0)
-    out[:] = tau
-    return out
+    return tau
 
 
 def block_means(late: np.ndarray) -> np.ndarray:

@@ -526,13 +526,11 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
                 windows[suspect.rank] = windows.get(suspect.rank, 0) + 1
             else:
                 whole.add(suspect.rank)
-            if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
-                best[suspect.rank] = suspect
+            _keep_larger(best, suspect)
     if stages is not None:
         for suspect in _above_stage_peers(table, stages, tests):
             whole.add(suspect.rank)
-            if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
-                best[suspect.rank] = suspect
+            _keep_larger(best, suspect)
     for suspect in _against_own_steps(table, set(table.ranks) - compared):
         whole.add(suspect.rank)
         best.setdefault(suspect.rank, suspect)
@@ -549,6 +547,12 @@ def detect_slow(table: TraceTable, layout: Layout | None = None) -> SlowResult:
     notes += _within_noise(rejected, {s.rank for s in suspects}, tests)
     seen = [s.test.p * tests for s in [*rejected, *suspects] if s.test is not None]
     return SlowResult(suspects, offsets, len(mats), notes, tests, min([1.0, *seen]))
+
+
+def _keep_larger(best: dict[int, SlowSuspect], suspect: SlowSuspect) -> None:
+    """Keep, per rank, the evidence of the largest slowdown found for it."""
+    if suspect.rank not in best or suspect.relative > best[suspect.rank].relative:
+        best[suspect.rank] = suspect
 
 
 def _union(parts: list[np.ndarray], low: int) -> np.ndarray:

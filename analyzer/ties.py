@@ -5,7 +5,9 @@ the pipeline neighbours waiting for it in a transfer look the same: each wrote i
 (alive) and none issued the collective its data-parallel peers wait in. Naming one of them with a
 confidence would be a guess. When there are two to `MAX_TIED` such candidates, and no rank that left
 no dump (a stopped or dead process, named confidently before them), they are marked `tied` with the
-reason; with more, no rank is named (the job reads inconclusive, with the reason in a note).
+reason; with more, no rank is named (the job reads inconclusive, with the reason in a note). A single
+such candidate is tied with the ranks that wait in no recorded call (`idle_ranks`), and several ranks
+that wrote no dump with the candidates (`absent_dumpers`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def idle_ranks(table, suspects: list, blocked) -> list[int]:
 
 
 def idle_evidence(rank: int) -> str:
+    """What says a rank with no call open may be the hung one."""
     return (
         f"rank {rank} wrote its dump with no call open and issued nothing its peers wait in: it may be "
         "stopped in compute, or wait in a send or receive these dumps do not record."
