@@ -116,6 +116,9 @@ def record(run: Run, out: Path, capacity: int = 0, capture: str = "native") -> f
 USERS_SEED = 20261128  # held out: committed before its first recording, scored once with the final code
 # recorded to develop against: 20261126, and 20261127, the first held-out seed, once it had been scored
 USERS_LOOKED_AT = (20261126, 20261127)
+# held out for the changes made after 20261128 was scored (the Flight Recorder ties, Megatrace logs of
+# interleaved pipelines): its hang runs only (`--only hang-compute --runs 160`), committed before recording
+USERS_HANG_SEED = 20261129
 # one cycle of the users' plan: 10 healthy runs, 3 slowed by 20 % or more, 1 by 10 %, 2 hangs
 USER_CLASSES = ("none",) * 10 + ("slow-compute",) * 4 + ("hang-compute",) * 2
 # (world, pp, schedule): the schedules of torch.distributed.pipelining; interleaved ones hold two stages
@@ -218,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         "--plan", choices=("megatron", "users"), default="megatron", help="which plan (default megatron)"
     )
     parser.add_argument("--runs", type=int, help="runs to plan (default 154 megatron, 64 users)")
-    parser.add_argument("--seed", type=int, help=f"plan seed (default {SEED} megatron, {USERS_SEED} users)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help=f"plan seed (default {SEED} megatron, {USERS_SEED} users, held out; users' seeds looked at: "
+        f"{', '.join(map(str, USERS_LOOKED_AT))}; held out for hang runs: {USERS_HANG_SEED})",
+    )
     parser.add_argument("--only", choices=CLASSES, help="record only runs of this class")
     parser.add_argument("--limit", type=int, help="record only the first N runs chosen")
     parser.add_argument(
