@@ -196,7 +196,9 @@ def _table(
         seen = [_rank_of(item) for items in parsed.values() for item in items]
         layout = resolve(layout, max(seen) + 1 if seen else None) if seen or layout.world_size else None
     by_rank: dict[int, tuple[int, int, str, RankCalls]] = {}
-    seen_until: dict[int, int] = {}  # the latest any file shows of a rank (a stall dump after the ring)
+    # the latest any file shows of a rank: a stall dump after the ring, or a stacks file (faulthandler's
+    # timer wrote it from inside the process, so it was alive then, its ring silent)
+    seen_until: dict[int, int] = {}
     stacks: dict[
         int, tuple[int, tuple[ThreadStack, ...], bool]
     ] = {}  # each rank's newest stacks, from any file
@@ -204,6 +206,7 @@ def _table(
         for item in items:
             if isinstance(item, RankStacks) and item.stacks:
                 _newest_stacks(stacks, item.rank, item.taken_ns, item.stacks, True)
+                seen_until[item.rank] = max(seen_until.get(item.rank, 0), item.taken_ns)
         for calls in READERS[name].resolve(items, layout):
             _keep_best(by_rank, name, calls, report)
             seen_until[calls.rank] = max(seen_until.get(calls.rank, 0), calls.info.observed_until_ns)

@@ -51,6 +51,10 @@ EFFECT_NOISE = 3.0
 # with TP 8 by 3-5 % (missed)
 MIN_EFFECT = 0.05
 CONSISTENT = 0.75
+# a median lateness this large (a fifth of the call interval) is no burst of the job's noise: half the
+# blocks late since its onset suffice (a GC storm's pauses held its rank up in every other block, by half
+# the interval)
+STRONG_EFFECT = 0.2
 MIN_CORRELATION = 0.1  # autocorrelation below this is taken as none (`correlation_lengths`)
 MEDIAN_SE = 1.2533
 # the inflation is read at the 90th percentile of the pass's statistics (robust to a tenth of the members
@@ -79,7 +83,7 @@ class LatenessTest:
         return (
             self.p <= alpha / max(tests, 1)
             and self.effect >= max(MIN_EFFECT, EFFECT_NOISE * self.noise, extreme(tests, alpha) * self.spread)
-            and self.late_share >= CONSISTENT
+            and self.late_share >= (CONSISTENT if self.effect < STRONG_EFFECT else 0.5)
         )
 
     def as_dict(self, tests: int) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """Real `torch.distributed.pipelining` runs read from the formats that carry less than our ring files:
 Megatrace NCCL logs made from the runs' ring files (bench/ring_to_nccl_log.py: no peer, no completion
 time) and the Flight Recorder dumps torch wrote on gloo (no transfer, completion known only through
-``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127, and two
-of seed 20261128, both scored as held out once and looked at since)."""
+``pg_status``). Runs from tests/fixtures/pipelining_runs.tar.gz (users' corpus, seed 20261127, two
+of seed 20261128 and one of 20261129, each seed scored as held out once and looked at since)."""
 
 from __future__ import annotations
 
@@ -111,3 +111,20 @@ def test_an_interleaved_pipeline_hang_in_megatrace_logs_is_read_without_thelayou
 )
 def test_pipelines_from_the_groups_inside_a_stage(world, groups, pipelines):
     assert nccl_comms._pipelines_by_groups(world, groups) == pipelines
+
+
+def test_a_hang_whose_watchdogs_could_not_run_is_dated_by_the_stacks_files(runs, tmp_path):
+    """seed 20261129, 015: zero-bubble, PP 2 × FSDP 2, in a cgroup at its memory limit (259 k limit
+    hits) under three CPU hogs; rank 1 stops in a forward. No rank's watchdog ran again (each wrote a
+    faulthandler stacks file, none a stall dump), so the rings end at their last call and the calls the
+    peers wait in read as just issued: the job read healthy. The stacks files were written from inside
+    the live processes seconds later, with the rings silent."""
+    run = runs / "seed20261129-015-hang-compute-noisy"
+    for layout in (None, layout_of(run)):
+        report = analyze([run], layout)
+        assert report["verdict"] == "hang" and report["suspects"][0]["rank"] == 1, report["suspects"][:2]
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    for ring in run.glob("rank-*.trace"):
+        (rings / ring.name).symlink_to(ring)
+    assert analyze([rings])["verdict"] == "healthy"
